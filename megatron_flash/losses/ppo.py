@@ -1,0 +1,76 @@
+"""PPO clipped surrogate against the proximal policy.
+
+    r    = π_θ / π_prox                      (π_prox = μ when no proximal logprobs are given)
+    loss = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A)
+    dual clip (c > 1, A < 0 only): loss = min(max(−r·A, −clip(r)·A), −c·A)
+
+Shapes: every tensor [B, T]. Gradient w.r.t. log π_θ per token: −r·A where the unclipped branch is
+active, 0 where clipping (or the dual clip) binds or |log r| exceeds the ratio clamp.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_flash.losses.common import (
+    LossFn,
+    LossInputs,
+    LossTerms,
+    check_number,
+    masked_frac,
+    safe_ratio,
+    weight_metrics,
+)
+from megatron_flash.losses.registry import register_loss
+
+
+def clipped_surrogate(
+    *,
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """−min(r·A, clip(r)·A) per token, plus r and where the low/high clip binds (bool)."""
+    ratio = safe_ratio(logprobs, proximal_logprobs)
+    clipped_ratio = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    r = ratio.detach()
+    binds_low = (advantages < 0) & (r < 1.0 - eps_low)
+    binds_high = (advantages > 0) & (r > 1.0 + eps_high)
+    return loss, r, binds_low, binds_high
+
+
+@register_loss("ppo", needs_proximal=True)
+def ppo(*, eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None) -> LossFn:
+    """Clipped PPO; ``dual_clip`` (> 1) bounds the loss of negative-advantage tokens by −c·A.
+
+    Metrics: clip_frac_low / clip_frac_high (fraction of trained tokens where the low / high clip
+    binds, i.e. the gradient is cut), clip_frac_dual (only with ``dual_clip``), is_weight_* of r.
+    """
+    eps_low = check_number("ppo", "eps_low", eps_low, low=0.0, high=1.0, high_open=True)
+    eps_high = check_number("ppo", "eps_high", eps_high, low=0.0)
+    if dual_clip is not None:
+        dual_clip = check_number("ppo", "dual_clip", dual_clip, low=1.0, low_open=True)
+
+    def loss_fn(batch: LossInputs) -> LossTerms:
+        loss, ratio, binds_low, binds_high = clipped_surrogate(
+            logprobs=batch.logprobs,
+            proximal_logprobs=batch.proximal_logprobs,
+            advantages=batch.advantages,
+            eps_low=eps_low,
+            eps_high=eps_high,
+        )
+        mask = batch.loss_mask
+        metrics = weight_metrics(ratio, mask)
+        metrics["clip_frac_low"] = masked_frac(binds_low, mask, loss.dtype)
+        metrics["clip_frac_high"] = masked_frac(binds_high, mask, loss.dtype)
+        if dual_clip is not None:
+            negative = batch.advantages < 0
+            bound = -dual_clip * batch.advantages
+            loss = torch.where(negative, torch.minimum(loss, bound), loss)
+            metrics["clip_frac_dual"] = masked_frac(negative & (ratio > dual_clip), mask, loss.dtype)
+        return LossTerms(loss, metrics)
+
+    return loss_fn

@@ -1,0 +1,103 @@
+"""Asynchronous RL post-training on Megatron-Core: the torchrun entry point.
+
+Every rank runs this script. The config is schema defaults ← --config YAML file(s) ← key=value
+overrides; it is validated before any process group, torch or Megatron import, so a typo costs
+a second, not a cluster allocation.
+
+1 CPU process (tiny model, built-in CPU engine; gloo):
+
+    python launch/pretrain_async_rl.py --config configs/quickstart_cpu.yaml
+
+    torchrun --standalone --nproc_per_node=2 launch/pretrain_async_rl.py \\
+        --config configs/quickstart_cpu.yaml parallel.tensor_model_parallel_size=2
+
+1 GPU node, 8 GPUs: torchrun starts the 4 trainer ranks (GPUs 0-3); rank 0 launches the SGLang
+engines on GPUs 4-7 (see the comments at the top of the config):
+
+    torchrun --standalone --nproc_per_node=4 launch/pretrain_async_rl.py \\
+        --config configs/qwen3_8b_rlvr_gpu.yaml model.hf_path=/ckpt/Qwen3-8B data.path=/data/math.jsonl
+
+N nodes (trainer on every node; c10d rendezvous on node 0's address; run on each node):
+
+    torchrun --nnodes=$NNODES --nproc_per_node=8 --rdzv_backend=c10d \\
+        --rdzv_endpoint=$MASTER_ADDR:29500 --rdzv_id=$JOB_ID launch/pretrain_async_rl.py \\
+        --config configs/qwen3_32b_rlvr_gpu.yaml model.hf_path=/ckpt/Qwen3-32B
+
+Inspect the resolved config without starting anything:
+
+    python launch/pretrain_async_rl.py --config configs/quickstart_cpu.yaml --print-config
+
+Configs compose: --config may repeat (later files win), and overrides win over every file:
+
+    python launch/pretrain_async_rl.py --config configs/quickstart_cpu.yaml \\
+        --config configs/loss_tis.yaml async_rl.alpha=1
+
+Exit codes: 0 done, 2 bad command line or config, 3 training loop not available in this build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from typing import List, Optional
+
+if importlib.util.find_spec("megatron_flash") is None:  # run from a checkout, not installed
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_flash.config import ConfigError, RunConfig, config_to_yaml, load_config  # noqa: E402
+
+EXIT_CONFIG_ERROR = 2
+EXIT_NOT_AVAILABLE = 3
+
+
+def _is_local_leader() -> bool:
+    # Under torchrun every rank parses the config; one message per node is enough.
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", action="append", default=[], metavar="PATH",
+                        help="YAML file of overrides to the schema defaults; repeatable, later files win")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as YAML and exit")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="dotted overrides applied after the files, e.g. optimizer.lr=1e-5")
+    return parser.parse_args(argv)
+
+
+def run(cfg: RunConfig) -> int:
+    """Hand the validated config to the controller; torch and Megatron are imported from here on."""
+    try:
+        from megatron_flash.controller import run as run_controller
+    except ModuleNotFoundError as err:
+        if err.name != "megatron_flash.controller":
+            raise  # the controller exists but something it imports is missing: show it
+        # PLACEHOLDER until the async pipeline lands: megatron_flash/controller.py provides run(cfg).
+        if _is_local_leader():
+            print("pretrain_async_rl: config is valid, but megatron_flash.controller is not in this "
+                  "build yet (training loop lands with the async pipeline)", file=sys.stderr)
+        return EXIT_NOT_AVAILABLE
+    run_controller(cfg)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        if _is_local_leader():
+            print(f"config error: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    if args.print_config:
+        if _is_local_leader():
+            sys.stdout.write(config_to_yaml(cfg))
+        return 0
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

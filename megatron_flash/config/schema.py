@@ -1,0 +1,494 @@
+"""Typed run configuration: one dataclass per component, defaults live here and nowhere else.
+
+Every field carries a docstring (the string literal right under it) saying what it means and its
+unit. ``validate()`` on a section checks that section alone; ``RunConfig.validate()`` checks every
+section and then the rules that span sections. Errors are ``ValueError`` naming the full dotted key
+and the offending value, e.g. ``parallel.tensor_model_parallel_size must be >= 1, got 0``.
+
+Names of losses, rewards and synthetic tasks are plain strings here: their registries live in
+packages that import torch, so they are checked when the component is built, not at load time.
+This module imports nothing heavy, so a launcher can validate a config before touching torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Dict, List, Optional, Sequence
+
+DTYPES = ("float32", "bfloat16", "float16")
+TRI_STATE = ("auto", "true", "false")
+DIST_BACKENDS = ("auto", "gloo", "nccl")
+OPTIMIZERS = ("adam", "sgd")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
+ADVANTAGES = ("grpo", "rloo", "reinforce")
+KL_ESTIMATORS = ("k1", "k3")
+DYNAMIC_FILTERS = ("none", "nonzero_std")
+PAUSE_MODES = ("abort", "retract", "in_place")
+STALE_POLICIES = ("drop", "regenerate")
+ENGINE_BACKENDS = ("cpu", "sglang", "attach")
+WEIGHT_TRANSPORTS = ("ipc", "broadcast", "disk")
+WANDB_MODES = ("offline", "online", "disabled")
+
+# SGLang flags that megatron-flash sets itself from `engines.*`; repeating them in
+# `engines.server_args` would give two sources of truth for one value.
+_ENGINE_OWNED_FLAGS = {
+    "model-path": "model.hf_path",
+    "model": "model.hf_path",
+    "host": "engines.host",
+    "port": "engines.base_port",
+    "tp-size": "engines.tp_size",
+    "tensor-parallel-size": "engines.tp_size",
+    "base-gpu-id": "engines.gpu_ids",
+    "api-key": "engines.api_key",
+}
+
+
+class _Section:
+    """Checks shared by the section dataclasses; ``_section`` is the section's key in RunConfig."""
+
+    _section: ClassVar[str] = ""
+
+    def _key(self, name: str) -> str:
+        return f"{self._section}.{name}"
+
+    def _require(self, ok: bool, name: str, requirement: str) -> None:
+        if not ok:
+            raise ValueError(f"{self._key(name)} {requirement}, got {getattr(self, name)!r}")
+
+    def _at_least(self, name: str, minimum: float) -> None:
+        self._require(getattr(self, name) >= minimum, name, f"must be >= {minimum}")
+
+    def _positive(self, name: str) -> None:
+        self._require(getattr(self, name) > 0, name, "must be > 0")
+
+    def _one_of(self, name: str, choices: Sequence[str]) -> None:
+        self._require(getattr(self, name) in choices, name, f"must be one of {'|'.join(choices)}")
+
+    def validate(self) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class ModelConfig(_Section):
+    _section: ClassVar[str] = "model"
+
+    hf_path: str = ""
+    """HF checkpoint directory: config.json, *.safetensors and the tokenizer. Trainer and engines
+    both start from it; the controller requires it to be set."""
+    dtype: str = "float32"
+    """Parameter/compute dtype of trainer and engines: float32|bfloat16|float16."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the embedding/output vocabulary to a multiple of this (times TP size), in tokens."""
+    use_transformer_engine: str = "auto"
+    """Megatron layer spec: auto (Transformer Engine when importable and CUDA present)|true|false."""
+
+    def __post_init__(self) -> None:
+        # YAML `true`/`false` arrive as bools, which OmegaConf turns into 'True'/'False'.
+        self.use_transformer_engine = str(self.use_transformer_engine).lower()
+
+    def validate(self) -> None:
+        self._one_of("dtype", DTYPES)
+        self._at_least("make_vocab_size_divisible_by", 1)
+        self._one_of("use_transformer_engine", TRI_STATE)
+
+
+@dataclass
+class ParallelConfig(_Section):
+    _section: ClassVar[str] = "parallel"
+
+    tensor_model_parallel_size: int = 1
+    """Trainer tensor-parallel degree (ranks sharing each layer)."""
+    pipeline_model_parallel_size: int = 1
+    """Trainer pipeline-parallel degree (stages). Data parallel = world size / (TP × PP)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism over the TP group; needs TP > 1 and NCCL (not on CPU)."""
+    backend: str = "auto"
+    """torch.distributed backend: auto (nccl when CUDA is available, else gloo)|gloo|nccl."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Interleaved-schedule model chunks per pipeline stage; null = no interleaving."""
+
+    def validate(self) -> None:
+        self._at_least("tensor_model_parallel_size", 1)
+        self._at_least("pipeline_model_parallel_size", 1)
+        self._one_of("backend", DIST_BACKENDS)
+        if self.sequence_parallel:
+            self._require(self.tensor_model_parallel_size > 1, "sequence_parallel",
+                          "needs parallel.tensor_model_parallel_size > 1")
+            self._require(self.backend != "gloo", "sequence_parallel",
+                          "is not supported with parallel.backend=gloo (CPU)")
+        if self.virtual_pipeline_model_parallel_size is not None:
+            self._at_least("virtual_pipeline_model_parallel_size", 1)
+            self._require(self.pipeline_model_parallel_size > 1, "virtual_pipeline_model_parallel_size",
+                          "needs parallel.pipeline_model_parallel_size > 1")
+
+
+@dataclass
+class TrainerConfig(_Section):
+    _section: ClassVar[str] = "trainer"
+
+    total_steps: int = 100
+    """Optimizer steps to run (each one bumps the policy version by 1)."""
+    micro_batch_size: int = 4
+    """Samples (sequences) per forward/backward pass on one data-parallel rank."""
+    global_batch_size: int = 64
+    """Samples per optimizer step across all DP ranks = prompts per step × n_samples_per_prompt."""
+    num_epochs: int = 1
+    """Passes over each rollout batch."""
+    num_mini_batches: int = 1
+    """Optimizer steps per pass over a rollout batch (a rollout batch is num_mini_batches ×
+    global_batch_size samples)."""
+    seed: int = 1234
+    """Seed for model init, data order and sampling."""
+    max_seq_len: int = 512
+    """Longest prompt + response the trainer accepts, in tokens."""
+
+    def validate(self) -> None:
+        for name in ("total_steps", "micro_batch_size", "global_batch_size", "num_epochs",
+                     "num_mini_batches"):
+            self._at_least(name, 1)
+        self._at_least("seed", 0)
+        self._at_least("max_seq_len", 2)
+        self._require(self.global_batch_size % self.micro_batch_size == 0, "global_batch_size",
+                      f"must be divisible by trainer.micro_batch_size={self.micro_batch_size}")
+
+
+@dataclass
+class OptimizerConfig(_Section):
+    _section: ClassVar[str] = "optimizer"
+
+    name: str = "adam"
+    """adam (AdamW-style decoupled weight decay, as Megatron) | sgd."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of linear/cosine decay."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay coefficient."""
+    adam_beta1: float = 0.9
+    """Adam first-moment decay."""
+    adam_beta2: float = 0.999
+    """Adam second-moment decay."""
+    adam_eps: float = 1e-8
+    """Adam denominator epsilon."""
+    clip_grad: float = 1.0
+    """Max global gradient L2 norm; 0 disables clipping."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to lr."""
+    lr_decay_style: str = "constant"
+    """LR schedule after warm-up: constant|linear|cosine (decay to min_lr at trainer.total_steps)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state and master weights over the data-parallel group (Megatron ZeRO-1)."""
+
+    def validate(self) -> None:
+        self._one_of("name", OPTIMIZERS)
+        self._positive("lr")
+        self._at_least("min_lr", 0.0)
+        self._require(self.min_lr <= self.lr, "min_lr", f"must be <= optimizer.lr={self.lr}")
+        self._at_least("weight_decay", 0.0)
+        for name in ("adam_beta1", "adam_beta2"):
+            self._require(0.0 <= getattr(self, name) < 1.0, name, "must be in [0, 1)")
+        self._positive("adam_eps")
+        self._at_least("clip_grad", 0.0)
+        self._at_least("lr_warmup_steps", 0)
+        self._one_of("lr_decay_style", LR_DECAY_STYLES)
+
+
+@dataclass
+class LossConfig(_Section):
+    _section: ClassVar[str] = "loss"
+
+    name: str = "ppo"
+    """Registered loss name (ppo, decoupled_ppo, tis, cispo, topr, or your own)."""
+    params: Dict[str, Any] = field(default_factory=dict)
+    """Keyword parameters passed verbatim to the loss factory, e.g. {eps_high: 0.28}."""
+    aggregation: str = "token_mean"
+    """How per-token losses reduce: token_mean (over all tokens of the global batch) |
+    seq_mean_token_mean (mean over tokens of each sequence, then over sequences)."""
+    advantage: str = "grpo"
+    """Advantage estimator: grpo (reward − group mean) | rloo (leave-one-out baseline) | reinforce."""
+    advantage_std_normalize: bool = True
+    """Divide group-centred advantages by the group's reward std (GRPO normalisation)."""
+    kl_coef: float = 0.0
+    """Weight of the KL(π_θ‖π_ref) penalty per token; 0 disables it and the reference model."""
+    kl_estimator: str = "k3"
+    """KL estimator: k1 (log-ratio) | k3 (exp(Δ) − Δ − 1, unbiased and non-negative)."""
+
+    def validate(self) -> None:
+        self._require(bool(self.name), "name", "must be a non-empty loss name")
+        self._one_of("aggregation", AGGREGATIONS)
+        self._one_of("advantage", ADVANTAGES)
+        self._at_least("kl_coef", 0.0)
+        self._one_of("kl_estimator", KL_ESTIMATORS)
+        for owned in ("kl_coef", "kl_estimator"):
+            if owned in self.params:
+                raise ValueError(f"loss.params.{owned} duplicates loss.{owned}; set loss.{owned} instead")
+
+
+@dataclass
+class RolloutConfig(_Section):
+    _section: ClassVar[str] = "rollout"
+
+    n_samples_per_prompt: int = 8
+    """Responses per prompt (the group size for group-relative advantages)."""
+    temperature: float = 1.0
+    """Sampling temperature; keep 1.0 for logprobs of the raw policy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 disables it."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+    max_new_tokens: int = 256
+    """Longest response, in tokens."""
+    prompt_replication: bool = True
+    """Send each of a prompt's n responses as its own request (spread over engines) instead of one
+    request with n samples."""
+    extra_prompts: int = 0
+    """Redundant prompts kept in flight beyond what the batch needs (surplus carried over)."""
+    dynamic_filter: str = "none"
+    """Group filter: none | nonzero_std (drop groups whose rewards are all equal)."""
+    pause_mode: str = "retract"
+    """How engines pause for a weight update: abort (drop in-flight requests) | retract (requeue
+    them, recompute KV after) | in_place (keep KV; tokens span two policy versions)."""
+    reward: str = "exact_match"
+    """Registered reward function name."""
+
+    def validate(self) -> None:
+        self._at_least("n_samples_per_prompt", 1)
+        self._positive("temperature")
+        self._require(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        self._require(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (disabled) or >= 1")
+        self._at_least("max_new_tokens", 1)
+        self._at_least("extra_prompts", 0)
+        self._one_of("dynamic_filter", DYNAMIC_FILTERS)
+        self._one_of("pause_mode", PAUSE_MODES)
+        self._require(bool(self.reward), "reward", "must be a non-empty reward name")
+
+
+@dataclass
+class AsyncConfig(_Section):
+    _section: ClassVar[str] = "async_rl"
+
+    alpha: int = 2
+    """Asynchronous ratio: max policy versions a sample may lag (trained at V+1 only if its
+    generation started at v with V − v <= alpha); 0 = synchronous."""
+    stale_policy: str = "drop"
+    """What happens to a sample that exceeds alpha: drop | regenerate (re-queue its prompt)."""
+
+    def validate(self) -> None:
+        self._at_least("alpha", 0)
+        self._one_of("stale_policy", STALE_POLICIES)
+
+
+@dataclass
+class EngineConfig(_Section):
+    _section: ClassVar[str] = "engines"
+
+    backend: str = "cpu"
+    """cpu (built-in transformers server) | sglang (launched here) | attach (already running at urls)."""
+    num_engines: int = 1
+    """Engine servers to launch (cpu|sglang); with attach, the length of urls."""
+    urls: List[str] = field(default_factory=list)
+    """Base URLs of running engines (attach only), e.g. http://node3:30000."""
+    host: str = "127.0.0.1"
+    """Interface launched engines bind to."""
+    base_port: int = 30000
+    """Port of engine 0; engine i listens on base_port + i."""
+    tp_size: int = 1
+    """Tensor-parallel GPUs per engine (sglang/attach; must be 1 for cpu)."""
+    gpu_ids: List[int] = field(default_factory=list)
+    """GPUs for launched sglang engines, num_engines × tp_size of them, engine i taking the i-th
+    block; empty = the GPUs after the trainer's local ranks."""
+    max_inflight_per_engine: int = 64
+    """Requests the scheduler keeps in flight per engine (queue-scheduling slots)."""
+    startup_timeout_s: float = 300.0
+    """Seconds to wait for an engine's /health after launch."""
+    request_timeout_s: float = 600.0
+    """Seconds before one HTTP request to an engine is abandoned."""
+    server_args: Dict[str, Any] = field(default_factory=dict)
+    """Extra SGLang flags, passed verbatim as --key value (e.g. {mem-fraction-static: 0.8})."""
+    api_key: Optional[str] = None
+    """Bearer token for the engines' HTTP API; null = none. Redacted when a config is printed."""
+
+    def validate(self) -> None:
+        self._one_of("backend", ENGINE_BACKENDS)
+        self._at_least("num_engines", 1)
+        self._at_least("tp_size", 1)
+        self._at_least("max_inflight_per_engine", 1)
+        self._positive("startup_timeout_s")
+        self._positive("request_timeout_s")
+        self._require(bool(self.host), "host", "must be a non-empty host name")
+        self._require(1 <= self.base_port and self.base_port + self.num_engines - 1 <= 65535,
+                      "base_port", f"must leave room for engines.num_engines={self.num_engines} ports "
+                      "in 1..65535")
+        if self.backend == "attach":
+            self._require(len(self.urls) > 0, "urls", "must list the engine URLs when engines.backend=attach")
+            self._require(len(self.urls) == self.num_engines, "num_engines",
+                          f"must equal len(engines.urls)={len(self.urls)} when engines.backend=attach "
+                          "(set both)")
+            # Attached servers were started elsewhere: launch settings here would silently do nothing.
+            self._require(not self.gpu_ids, "gpu_ids", "must be empty with engines.backend=attach")
+            self._require(not self.server_args, "server_args",
+                          "must be empty with engines.backend=attach (pass flags where the servers start)")
+        else:
+            self._require(not self.urls, "urls", "is only used with engines.backend=attach")
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"engines.urls entries must start with http:// or https://, got {url!r}")
+        if self.backend == "cpu":
+            self._require(self.tp_size == 1, "tp_size", "must be 1 with engines.backend=cpu")
+            self._require(not self.gpu_ids, "gpu_ids", "must be empty with engines.backend=cpu")
+        if self.backend == "sglang" and self.gpu_ids:
+            self._require(len(self.gpu_ids) == self.num_engines * self.tp_size, "gpu_ids",
+                          f"must hold engines.num_engines × engines.tp_size = "
+                          f"{self.num_engines * self.tp_size} GPU ids")
+        for key in self.server_args:
+            flag = str(key).lstrip("-").replace("_", "-")
+            if flag in _ENGINE_OWNED_FLAGS:
+                raise ValueError(f"engines.server_args.{key} is set from {_ENGINE_OWNED_FLAGS[flag]}; "
+                                 "remove it from engines.server_args")
+
+
+@dataclass
+class WeightSyncConfig(_Section):
+    _section: ClassVar[str] = "weight_sync"
+
+    transport: str = "ipc"
+    """Trainer→engine path: ipc (CUDA IPC / shared memory; same node) | broadcast (NCCL/gloo
+    group with the engines; any node) | disk (safetensors through the filesystem)."""
+    bucket_mb: int = 512
+    """Size of one transfer bucket, in MiB."""
+    probe: bool = True
+    """After each sync, compare engine logprobs on a fixed probe with the trainer's."""
+    probe_threshold: float = 0.05
+    """Max mean |Δ logprob| per token the probe tolerates before raising."""
+
+    def validate(self) -> None:
+        self._one_of("transport", WEIGHT_TRANSPORTS)
+        self._at_least("bucket_mb", 1)
+        self._positive("probe_threshold")
+
+
+@dataclass
+class DataConfig(_Section):
+    _section: ClassVar[str] = "data"
+
+    path: str = ""
+    """Prompt file (.jsonl or .parquet); takes precedence over task."""
+    prompt_key: str = "prompt"
+    """Column/field holding the prompt text."""
+    answer_key: str = "answer"
+    """Column/field holding the reference answer the reward compares with."""
+    task: str = ""
+    """Built-in synthetic task (e.g. sort4) used when path is empty."""
+    num_samples: int = 0
+    """Prompts to use from the dataset; 0 = all (synthetic tasks: their default size)."""
+    shuffle: bool = True
+    """Shuffle prompt order each epoch (seeded by trainer.seed)."""
+
+    def validate(self) -> None:
+        self._require(bool(self.prompt_key), "prompt_key", "must be non-empty")
+        self._require(bool(self.answer_key), "answer_key", "must be non-empty")
+        self._at_least("num_samples", 0)
+
+
+@dataclass
+class LoggingConfig(_Section):
+    _section: ClassVar[str] = "logging"
+
+    dir: str = "runs/default"
+    """Run directory: resolved config, metrics, TensorBoard and W&B files."""
+    wandb_mode: str = "offline"
+    """offline (files under dir, sync later) | online | disabled."""
+    wandb_project: str = "megatron-flash"
+    """W&B project name."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files under dir."""
+    log_interval: int = 1
+    """Log metrics every this many optimizer steps."""
+
+    def validate(self) -> None:
+        self._require(bool(self.dir), "dir", "must be a non-empty directory")
+        self._one_of("wandb_mode", WANDB_MODES)
+        self._at_least("log_interval", 1)
+
+
+@dataclass
+class CheckpointConfig(_Section):
+    _section: ClassVar[str] = "checkpoint"
+
+    save_dir: str = ""
+    """Directory for Megatron (distributed) checkpoints; empty = no checkpoints."""
+    save_interval: int = 0
+    """Save every this many optimizer steps; 0 = never during training."""
+    resume: bool = False
+    """Resume from the latest checkpoint in save_dir (model, optimizer, policy version, data order)."""
+    save_hf_at_end: bool = True
+    """Export HF safetensors at the end (under save_dir, else logging.dir)."""
+
+    def validate(self) -> None:
+        self._at_least("save_interval", 0)
+        if self.save_interval > 0:
+            self._require(bool(self.save_dir), "save_dir", "must be set when checkpoint.save_interval > 0")
+        if self.resume:
+            self._require(bool(self.save_dir), "save_dir", "must be set when checkpoint.resume=true")
+
+
+@dataclass
+class RunConfig:
+    """The whole run. Components receive their own section, never the whole tree."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy checkpoint and its numerics."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Trainer parallel layout."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Steps and batch sizes."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and LR schedule."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Policy loss, aggregation and advantages."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling and rollout scheduling."""
+    async_rl: AsyncConfig = field(default_factory=AsyncConfig)
+    """Rollout–train asynchrony (YAML key `async_rl`: `async` is a Python keyword)."""
+    engines: EngineConfig = field(default_factory=EngineConfig)
+    """Inference engines."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Trainer → engine weight updates."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt source."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics and run directory."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing and final export."""
+
+    def sections(self) -> Dict[str, _Section]:
+        """Section name → section object, in declaration order."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def validate(self) -> None:
+        """Validate every section, then the rules that span sections; ValueError names the key."""
+        for section in self.sections().values():
+            section.validate()
+        trainer, rollout = self.trainer, self.rollout
+        n = rollout.n_samples_per_prompt
+        if trainer.global_batch_size % n:
+            raise ValueError(
+                f"trainer.global_batch_size must be divisible by rollout.n_samples_per_prompt={n} "
+                f"(an optimizer step holds whole prompt groups), got {trainer.global_batch_size}"
+            )
+        if rollout.max_new_tokens >= trainer.max_seq_len:
+            raise ValueError(
+                f"rollout.max_new_tokens must be < trainer.max_seq_len={trainer.max_seq_len} "
+                f"(the prompt needs room), got {rollout.max_new_tokens}"
+            )
+        if n < 2 and self.loss.advantage in ("grpo", "rloo"):
+            raise ValueError(
+                f"rollout.n_samples_per_prompt must be >= 2 with loss.advantage={self.loss.advantage} "
+                f"(a group of one has no baseline; use loss.advantage=reinforce), got {n}"
+            )
+        if n < 2 and rollout.dynamic_filter == "nonzero_std":
+            raise ValueError(
+                "rollout.n_samples_per_prompt must be >= 2 with rollout.dynamic_filter=nonzero_std "
+                f"(a group of one always has zero std), got {n}"
+            )

@@ -1,0 +1,1 @@
+"""Reward functions and synthetic verifiable tasks (never imports Megatron)."""

@@ -1,0 +1,75 @@
+"""Synthetic verifiable tasks that a tiny model learns on CPU in minutes (see DESIGN.md).
+
+  task       prompt      answer          notes
+  ---------  ----------  --------------  ------------------------------------------------------------
+  sort4      "3142:"     "1234"          4 distinct digits; chance after format warm-up ≈ 1/24
+  reverse4   "3142:"     "2413"          sturdier, ~2× slower to learn
+  countdown  "e:"        "edcba"         letter k → k down to 'a' (1–20 long, long tail): lengths
+
+Each task gives a prompt/answer pair from a `random.Random`, a *format-only* answer for supervised
+warm-up (right shape and length, wrong content: it teaches the format, not the task), and the
+reward: 1.0 when the response is exactly the answer followed by the end token, else 0.0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import string
+from typing import Callable
+
+Pair = tuple[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticTask:
+    name: str
+    make: Callable[[random.Random], Pair]
+    format_only: Callable[[random.Random, str], str]
+
+
+def _sort4(rng: random.Random) -> Pair:
+    digits = rng.sample(string.digits, 4)
+    return "".join(digits) + ":", "".join(sorted(digits))
+
+
+def _reverse4(rng: random.Random) -> Pair:
+    digits = rng.sample(string.digits, 4)
+    return "".join(digits) + ":", "".join(reversed(digits))
+
+
+def _permutation_of_input(rng: random.Random, prompt: str) -> str:
+    body = list(prompt.rstrip(":"))
+    rng.shuffle(body)
+    return "".join(body)
+
+
+def _countdown(rng: random.Random) -> Pair:
+    # Long tail: lengths 1–20 with P(length k) ∝ 1/k.
+    weights = [1.0 / k for k in range(1, 21)]
+    k = rng.choices(range(1, 21), weights=weights)[0]
+    letters = string.ascii_lowercase[:k]
+    return letters[-1] + ":", letters[::-1]
+
+
+def _countdown_format(rng: random.Random, prompt: str) -> str:
+    k = string.ascii_lowercase.index(prompt[0]) + 1
+    return "".join(rng.choice(string.ascii_lowercase[:20]) for _ in range(k))
+
+
+TASKS: dict[str, SyntheticTask] = {
+    "sort4": SyntheticTask("sort4", _sort4, _permutation_of_input),
+    "reverse4": SyntheticTask("reverse4", _reverse4, _permutation_of_input),
+    "countdown": SyntheticTask("countdown", _countdown, _countdown_format),
+}
+
+
+def get_task(name: str) -> SyntheticTask:
+    if name not in TASKS:
+        raise ValueError(f"unknown synthetic task {name!r}; known: {', '.join(sorted(TASKS))}")
+    return TASKS[name]
+
+
+def exact_match_reward(response_text: str, answer: str, *, finished: bool) -> float:
+    """1.0 iff the model ended its response (end token) and the text before it is the answer."""
+    return 1.0 if finished and response_text == answer else 0.0

@@ -1,0 +1,95 @@
+"""Process groups: torchrun's environment or a single local process; Megatron's model-parallel state.
+
+Under torchrun the usual RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables are read; a plain
+`python` run becomes a world of one on 127.0.0.1 with a free port. The backend is NCCL when CUDA is
+available and gloo otherwise (config `parallel.backend` overrides), and the CPU shim is applied only
+in the second case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from megatron_flash.trainer import cpu_shim
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    world_size: int
+    rank: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(*, tp_size: int, pp_size: int, seed: int, backend: str = "auto",
+                     timeout_s: float = 600.0) -> Layout:
+    """Initialise torch.distributed (if needed) and Megatron's parallel state; seed every RNG."""
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"parallel.backend must be auto, nccl or gloo, got {backend!r}")
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python`: a world of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    cpu_shim.apply()
+    world = dist.get_world_size()
+    if world % (tp_size * pp_size) != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by tensor_model_parallel_size × "
+            f"pipeline_model_parallel_size = {tp_size} × {pp_size}"
+        )
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return Layout(
+        world_size=world,
+        rank=dist.get_rank(),
+        tp_size=tp_size,
+        pp_size=pp_size,
+        dp_size=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+    )
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,187 @@
+"""HF safetensors ⇄ Megatron shards, for any TP/PP layout.
+
+Import: every rank opens the checkpoint lazily and reads, for each of its own parameters, only the
+rows/columns its shard needs (safetensors slices), through the family's name map.
+Export: within each PP stage the TP shards are all-gathered per parameter and turned back into HF
+tensors (vocab padding stripped); the stage's (TP 0, DP 0) rank writes one safetensors file, and
+global rank 0 writes the index, config and tokenizer, then renames the folder into place — so a
+crash leaves no half-written checkpoint at the destination. Multi-node export needs `out_dir` on a
+shared filesystem.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_flash.trainer.distributed import Layout
+from megatron_flash.weight_sync.hf_spec import CheckpointError, HFModelSpec
+from megatron_flash.weight_sync.layouts import hf_to_shard, shards_to_hf
+from megatron_flash.weight_sync.name_maps import name_map_for
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
+
+
+class SafetensorsReader:
+    """Lazy, slice-reading access to a HF checkpoint's tensors (single file or sharded with index)."""
+
+    def __init__(self, model_dir: str) -> None:
+        from safetensors import safe_open
+
+        index = os.path.join(model_dir, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(model_dir, "*.safetensors")))
+            weight_map = {}
+        if not files:
+            raise CheckpointError(f"no *.safetensors files in HF checkpoint directory {model_dir!r}")
+        self._handles: dict[str, Any] = {}
+        for name in files:
+            path = os.path.join(model_dir, name)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{index}: lists {name!r}, which does not exist")
+            try:
+                handle = safe_open(path, framework="pt")
+            except Exception as e:  # safetensors raises its own error type for a corrupt header
+                raise CheckpointError(f"cannot read safetensors file {path!r}: {e}") from None
+            self._handles[name] = handle
+            if not weight_map or not os.path.isfile(index):
+                for key in handle.keys():
+                    weight_map[key] = name
+        self.model_dir = model_dir
+        self.weight_map = weight_map
+
+    def _slice(self, name: str) -> Any:
+        if name not in self.weight_map:
+            raise CheckpointError(f"tensor {name!r} is missing from HF checkpoint {self.model_dir!r}")
+        try:
+            return self._handles[self.weight_map[name]].get_slice(name)
+        except Exception as e:
+            raise CheckpointError(f"cannot read tensor {name!r} from {self.weight_map[name]!r}: {e}") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def read(self, name: str, rows: Optional[slice] = None, cols: Optional[slice] = None) -> torch.Tensor:
+        sl = self._slice(name)
+        try:
+            if rows is None and cols is None:
+                return sl[:]
+            if cols is None:
+                return sl[rows]
+            return sl[rows if rows is not None else slice(None), cols]
+        except Exception as e:
+            raise CheckpointError(f"cannot read tensor {name!r} from {self.weight_map[name]!r}: {e}") from None
+
+
+def _named_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    inner = getattr(model, "module", model)  # unwrap Megatron DDP
+    yield from inner.named_parameters()
+
+
+def load_hf_weights(model: torch.nn.Module, model_dir: str, *, spec: HFModelSpec, layout: Layout,
+                    padded_vocab_size: int) -> list[str]:
+    """Copy this rank's shard of every parameter from the HF checkpoint. Returns the HF names read."""
+    from megatron_flash.trainer.model_builder import layer_offset
+
+    reader = SafetensorsReader(model_dir)
+    name_map = name_map_for(spec)
+    offset = layer_offset(spec, pp_rank=layout.pp_rank, pp_size=layout.pp_size)
+    used: list[str] = []
+    for name, param in _named_params(model):
+        rule, hf_names = name_map.resolve(name, layer_offset=offset, tied=spec.tie_word_embeddings)
+        shard = hf_to_shard(rule, hf_names, reader, spec=spec, tp_rank=layout.tp_rank,
+                            tp_size=layout.tp_size, padded_vocab_size=padded_vocab_size)
+        if tuple(shard.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"{model_dir}: {', '.join(hf_names)} gives shape {tuple(shard.shape)} for Megatron "
+                f"parameter {name!r}, which expects {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(shard.to(dtype=param.dtype, device=param.device))
+        used.extend(hf_names)
+    return used
+
+
+def _gather_tp(tensor: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    if layout.tp_size == 1:
+        return [tensor]
+    from megatron.core import parallel_state as ps
+
+    parts = [torch.empty_like(tensor) for _ in range(layout.tp_size)]
+    dist.all_gather(parts, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return parts
+
+
+def stage_hf_tensors(model: torch.nn.Module, *, spec: HFModelSpec, layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for this PP stage's parameters; every TP rank must iterate."""
+    from megatron_flash.trainer.model_builder import layer_offset
+
+    name_map = name_map_for(spec)
+    offset = layer_offset(spec, pp_rank=layout.pp_rank, pp_size=layout.pp_size)
+    for name, param in _named_params(model):
+        rule, hf_names = name_map.resolve(name, layer_offset=offset, tied=spec.tie_word_embeddings)
+        if spec.tie_word_embeddings and name == "output_layer.weight":
+            continue  # the first stage's embedding is the tied copy we export
+        shards = [param.detach()] if rule.layout == "replicated" else _gather_tp(param.detach(), layout)
+        yield from shards_to_hf(rule, hf_names, shards, spec=spec).items()
+
+
+def export_hf(model: torch.nn.Module, out_dir: str, *, spec: HFModelSpec, layout: Layout,
+              source_dir: str, dtype: Optional[torch.dtype] = None) -> None:
+    """Write a HF checkpoint (sharded by PP stage) readable by transformers and by `load_hf_weights`."""
+    from safetensors.torch import save_file
+
+    out_dir = os.path.abspath(out_dir)
+    partial = out_dir + ".partial"
+    if layout.rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    dist.barrier()
+
+    tensors = {k: v.to(dtype or v.dtype).cpu().contiguous() for k, v in stage_hf_tensors(model, spec=spec, layout=layout)}
+    file_name = f"model-{layout.pp_rank + 1:05d}-of-{layout.pp_size:05d}.safetensors"
+    writer = layout.tp_rank == 0 and layout.dp_rank == 0
+    if writer:
+        save_file(tensors, os.path.join(partial, file_name), metadata={"format": "pt"})
+    names = {k: file_name for k in tensors} if writer else {}
+    gathered: list[Any] = [None] * layout.world_size
+    dist.all_gather_object(gathered, names)
+
+    if layout.rank == 0:
+        weight_map: dict[str, str] = {}
+        for part in gathered:
+            weight_map.update(part)
+        total = 0
+        for f in sorted(set(weight_map.values())):
+            total += os.path.getsize(os.path.join(partial, f))
+        with open(os.path.join(partial, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+        with open(os.path.join(source_dir, "config.json")) as f:
+            config = json.load(f)
+        if dtype is not None:
+            config["torch_dtype"] = str(dtype).removeprefix("torch.")
+            config.pop("dtype", None)
+        with open(os.path.join(partial, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        for name in TOKENIZER_FILES:
+            src = os.path.join(source_dir, name)
+            if os.path.isfile(src):
+                shutil.copy(src, os.path.join(partial, name))
+        old = out_dir + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(out_dir):
+            os.replace(out_dir, old)
+        os.replace(partial, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()

@@ -1,0 +1,136 @@
+"""Write a tiny HF causal-LM checkpoint and a locally trained tokenizer, offline and deterministic.
+
+    python tools/make_tiny_model.py --out runs/tiny_model                     # llama, seed 0
+    python tools/make_tiny_model.py --out /tmp/q3 --arch qwen3 --seed 3
+
+The tokenizer is a character-level BPE model trained with the `tokenizers` library on the symbols of
+the built-in synthetic tasks (digits, lower-case letters, a few separators), so one symbol is one
+token, which the synthetic tasks rely on. The model gets random weights (norm weights and biases
+perturbed away from their 1/0 init, so a conversion that drops them shows up in a parity check).
+Output: config.json, generation_config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json, special_tokens_map.json. The same arguments always give the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any
+
+ARCHS = ("llama", "qwen2", "qwen3")
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
+ALPHABET = list("0123456789abcdefghijklmnopqrstuvwxyz:=+-,|? ")
+
+
+def build_tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    # vocab_size = specials + alphabet: the trainer learns no merges, so the model is per character.
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(SPECIAL_TOKENS) + len(ALPHABET),
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=ALPHABET,
+        show_progress=False,
+    )
+    corpus = ["".join(ALPHABET)] * 4
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    return tokenizer
+
+
+def hf_config(*, arch: str, vocab_size: int, tie: bool) -> dict[str, Any]:
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "initializer_range": 0.05,
+        "tie_word_embeddings": tie,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "torch_dtype": "float32",
+    }
+    if arch == "llama":
+        return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "attention_bias": False, "mlp_bias": False}
+    if arch == "qwen2":
+        return {**common, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    return {**common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+            "head_dim": 16, "attention_bias": False}
+
+
+def make_model(*, out: str, arch: str, seed: int, tie: bool | None) -> None:
+    import torch
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+    tie = (arch != "llama") if tie is None else tie
+    tokenizer = build_tokenizer()
+    vocab_size = tokenizer.get_vocab_size()
+    config_dict = hf_config(arch=arch, vocab_size=vocab_size, tie=tie)
+
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tiny_model_", dir=parent)  # renamed into place when complete
+    os.chmod(tmp, 0o755)
+    try:
+        config = transformers.AutoConfig.for_model(**config_dict)
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, param in sorted(model.named_parameters()):
+                if name.endswith("norm.weight"):
+                    param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+                elif name.endswith("bias"):
+                    param.copy_(0.05 * torch.randn(param.shape, generator=gen))
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+        fast = transformers.PreTrainedTokenizerFast(
+            tokenizer_file=os.path.join(tmp, "tokenizer.json"),
+            pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        )
+        # A plain chat template for agentic tasks: role header, content, end of turn.
+        fast.chat_template = (
+            "{% for m in messages %}{{ m['role'] }}|{{ m['content'] }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}assistant|{% endif %}"
+        )
+        fast.save_pretrained(tmp)
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="output directory (replaced if it exists)")
+    parser.add_argument("--arch", default="llama", choices=ARCHS)
+    parser.add_argument("--seed", type=int, default=0)
+    tie = parser.add_mutually_exclusive_group()
+    tie.add_argument("--tie-embeddings", dest="tie", action="store_true", default=None)
+    tie.add_argument("--untie-embeddings", dest="tie", action="store_false")
+    args = parser.parse_args(argv)
+    make_model(out=args.out, arch=args.arch, seed=args.seed, tie=args.tie)
+    print(json.dumps({"out": os.path.abspath(args.out), "arch": args.arch, "seed": args.seed}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

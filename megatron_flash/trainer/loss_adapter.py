@@ -39,3 +39,17 @@ def nll_loss_fn(mb: dict[str, torch.Tensor], logprobs: torch.Tensor, entropy: Op
     """Supervised next-token loss on `loss_mask` tokens (token mean over the global batch)."""
     mask = mb["loss_mask"]
     return -(logprobs * mask).sum(), mask.sum().to(torch.int), {}
+
+
+def build_loss(loss_cfg) -> Loss:
+    """The configured loss: `loss.name` + `loss.params`, with the KL settings of the loss section."""
+    from megatron_flash.losses import get_loss
+
+    return get_loss(loss_cfg.name, **dict(loss_cfg.params), kl_coef=loss_cfg.kl_coef,
+                    kl_estimator=loss_cfg.kl_estimator)
+
+
+def build_loss_fn(loss_cfg):
+    """(Loss, trainer loss_fn) from a `LossConfig`; the only place a config becomes a loss."""
+    loss = build_loss(loss_cfg)
+    return loss, make_loss_fn(loss, aggregation=loss_cfg.aggregation)

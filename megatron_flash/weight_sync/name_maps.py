@@ -88,15 +88,23 @@ _LLAMA_RULES = (
     Rule("output_layer.weight", ("lm_head.weight",), "vocab"),
 )
 
+# Transformer-Engine layer spec fuses the pre-attention / pre-MLP norms into the next linear layer.
+_TE_FUSED_NORM_RULES = (
+    Rule(_LAYER + "self_attention.linear_qkv.layer_norm_weight",
+         ("model.layers.{layer}.input_layernorm.weight",), "replicated"),
+    Rule(_LAYER + "mlp.linear_fc1.layer_norm_weight",
+         ("model.layers.{layer}.post_attention_layernorm.weight",), "replicated"),
+)
+
 _QK_NORM_RULES = (
     Rule(_LAYER + "self_attention.q_layernorm.weight", (_ATTN + "q_norm.weight",), "replicated"),
     Rule(_LAYER + "self_attention.k_layernorm.weight", (_ATTN + "k_norm.weight",), "replicated"),
 )
 
 NAME_MAPS: dict[str, NameMap] = {
-    "llama": NameMap("llama", _LLAMA_RULES),
-    "qwen2": NameMap("qwen2", _LLAMA_RULES),
-    "qwen3": NameMap("qwen3", _LLAMA_RULES + _QK_NORM_RULES),
+    "llama": NameMap("llama", _LLAMA_RULES + _TE_FUSED_NORM_RULES),
+    "qwen2": NameMap("qwen2", _LLAMA_RULES + _TE_FUSED_NORM_RULES),
+    "qwen3": NameMap("qwen3", _LLAMA_RULES + _TE_FUSED_NORM_RULES + _QK_NORM_RULES),
 }
 
 

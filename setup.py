@@ -1,0 +1,40 @@
+"""megatron-flash: asynchronous RL post-training of LLMs on Megatron-Core.
+
+Ranges stay open for cluster users who bring their own CUDA torch / megatron-core; CI and the CPU
+quickstart install the exact set in requirements/cpu-lock.txt instead (see the Makefile).
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-flash",
+    version="0.1.0",
+    description="Asynchronous RL post-training (GRPO-style, off-policy losses) on Megatron-Core",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_flash", "megatron_flash.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16",
+        "transformers>=4.56",
+        "tokenizers>=0.21",
+        "safetensors>=0.4",
+        "omegaconf>=2.3",
+        "pyyaml>=6",
+        "numpy>=1.24",
+        "wandb>=0.19",
+        "datasets>=3",
+        "math-verify>=0.7",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        # The set CI pins (Python 3.11: megatron-core 0.16.1 is the newest that supports it).
+        "cpu": ["torch==2.13.0", "megatron-core==0.16.1", "transformers==5.23.0", "omegaconf==2.4.0",
+                "wandb==0.31.0", "datasets==5.2.0", "math-verify==0.9.0"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3"],
+        # GPU clusters: SGLang engines. transformer-engine is optional (Megatron falls back to torch
+        # norms/attention without it) and is installed separately against the cluster's CUDA.
+        # NVIDIA Apex is built from source; the PyPI package named "apex" is unrelated — never add it.
+        "gpu": ["sglang>=0.5.2"],
+        "te": ["transformer-engine[pytorch]>=2.0"],
+    },
+)

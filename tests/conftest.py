@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny HF checkpoints made once per test session (offline, deterministic)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+
+def run_tool(args: list[str], *, nproc: int = 1, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a repo script with python (nproc=1) or torchrun (nproc>1); 1 thread per process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if nproc == 1:
+        cmd = [sys.executable] + args
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--standalone"] + args
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
+                             f"stderr:\n{proc.stderr[-5000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    out = {}
+    for arch in ("llama", "qwen2", "qwen3"):
+        path = str(root / arch)
+        run_tool(["tools/make_tiny_model.py", "--out", path, "--arch", arch, "--seed", "0"])
+        out[arch] = path
+    return out
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu(n): needs n CUDA GPUs")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """GPU tests are skipped only for lack of GPUs: never by default, never by a flag."""
+    try:
+        import torch
+
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        available = 0
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        if marker is None:
+            continue
+        needed = int(marker.args[0]) if marker.args else 1
+        if available < needed:
+            item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPU(s), this machine has {available}"))

@@ -1,0 +1,98 @@
+"""Run under torchrun (or plain python for 1×1) by test_layouts.py: one layout's numbers to disk.
+
+Writes into --out: logprobs.pt (fixed batch, before any step), export0/ (HF export right after
+load), export1/ (HF export after one optimizer step on a fixed loss), metrics.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_flash.trainer.distributed import destroy_distributed  # noqa: E402
+from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings  # noqa: E402
+
+
+def fixed_batch(vocab: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(123)
+    tokens = torch.randint(0, vocab, (8, 16), generator=gen)
+    mask = torch.zeros(8, 16)
+    for i in range(8):  # responses of different lengths after a 4-token prompt
+        mask[i, 4 : 6 + i] = 1.0
+    weights = torch.randn(8, 16, generator=gen)
+    return {"tokens": tokens, "loss_mask": mask, "weights": weights}
+
+
+def weighted_nll(mb: dict[str, torch.Tensor], logprobs: torch.Tensor, entropy: object):
+    mask = mb["loss_mask"]
+    return -(mb["weights"] * logprobs * mask).sum(), mask.sum(), {}
+
+
+def rl_fields(batch: dict[str, torch.Tensor], logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An off-policy RL batch: behavior logprobs = current ones perturbed, ± rewards, per-sequence A."""
+    gen = torch.Generator().manual_seed(7)
+    mask = batch["loss_mask"]
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0])
+    adv = torch.randn(8, generator=gen)
+    return {
+        "behavior_logprobs": (logprobs + 0.3 * torch.randn(logprobs.shape, generator=gen)) * mask,
+        "proximal_logprobs": logprobs * mask,
+        "advantages": adv[:, None] * mask,
+        "rewards": rewards,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--optimizer", default="sgd")
+    p.add_argument("--distributed-optimizer", action="store_true")
+    p.add_argument("--loss", default="", help="registry loss (e.g. tis); default: fixed weighted NLL")
+    p.add_argument("--aggregation", default="token_mean")
+    p.add_argument("--loss-param", action="append", default=[], help="key=value for the loss")
+    args = p.parse_args()
+    policy = MegatronPolicy(PolicySettings(
+        hf_path=args.hf_dir, tp_size=args.tp, pp_size=args.pp, micro_batch_size=args.micro_batch_size,
+        optimizer=args.optimizer, lr=1e-3, clip_grad=1e6, use_distributed_optimizer=args.distributed_optimizer,
+    ))
+    batch = fixed_batch(policy.spec.vocab_size)
+    logprobs, _ = policy.compute_logprobs(batch)
+    policy.export_hf(os.path.join(args.out, "export0"))
+    loss_fn = weighted_nll
+    if args.loss:
+        from megatron_flash.losses import get_loss
+        from megatron_flash.trainer.loss_adapter import make_loss_fn
+
+        params = {}
+        for kv in args.loss_param:
+            key, value = kv.split("=", 1)
+            try:
+                params[key] = float(value)
+            except ValueError:
+                params[key] = value
+        loss_fn = make_loss_fn(get_loss(args.loss, **params), aggregation=args.aggregation)
+        batch.update(rl_fields(batch, logprobs))
+    metrics = policy.train_step(batch, loss_fn)
+    policy.export_hf(os.path.join(args.out, "export1"))
+    if dist.get_rank() == 0:
+        torch.save(logprobs, os.path.join(args.out, "logprobs.pt"))
+        with open(os.path.join(args.out, "metrics.json"), "w") as f:
+            json.dump({**metrics, "dp": policy.layout.dp_size}, f)
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

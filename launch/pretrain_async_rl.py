@@ -70,6 +70,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def run(cfg: RunConfig) -> int:
     """Hand the validated config to the controller; torch and Megatron are imported from here on."""
+    from megatron_flash.trainer.loss_adapter import build_loss
+
+    try:  # the loss and its parameters are checked before any process group exists
+        build_loss(cfg.loss)
+    except ValueError as err:
+        if _is_local_leader():
+            print(f"config error: loss: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     try:
         from megatron_flash.controller import run as run_controller
     except ModuleNotFoundError as err:

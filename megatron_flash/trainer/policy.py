@@ -273,9 +273,12 @@ class MegatronPolicy:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         store = self._run(micro, mbs, seq, forward_only=False, loss_factory=factory)
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
         update_ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
-        return self._reduce_metrics(store, grad_norm=grad_norm, update_ok=update_ok)
+        metrics = self._reduce_metrics(store, grad_norm=grad_norm, update_ok=update_ok)
+        metrics["lr"] = lr
+        return metrics
 
     def _reduce_metrics(self, store: list[dict[str, torch.Tensor]], *, grad_norm: Any, update_ok: bool) -> dict[str, float]:
         from megatron.core import parallel_state as ps
@@ -299,7 +302,6 @@ class MegatronPolicy:
         out = {k: v / denom for k, v in total.items() if k != "loss_sum"}
         out["loss"] = total.get("loss_sum", 0.0) / denom
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-        out["lr"] = float(self.optimizer.param_groups[0]["lr"])
         out["update_ok"] = float(bool(update_ok))
         return out
 

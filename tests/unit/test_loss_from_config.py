@@ -56,3 +56,14 @@ def test_nothing_outside_losses_branches_on_a_loss_name() -> None:
                 text = open(os.path.join(root, f)).read()
                 offenders += [f"{f}: {m.group(0)}" for m in BRANCH.finditer(text)]
     assert offenders == []
+
+
+def test_launcher_rejects_a_bad_loss_param_before_starting() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "launch/pretrain_async_rl.py", "--config", "configs/quickstart_cpu.yaml",
+                           "loss.name=tis", "loss.params.uper=2.0"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "loss 'tis' got unknown parameter 'uper'" in proc.stderr

@@ -57,11 +57,13 @@ def sft_batch(task, tokenizer, rng: random.Random, size: int) -> dict[str, torch
 
 
 def warm_up(args, tokenizer, task) -> dict:
+    from megatron_flash.config.schema import OptimizerConfig
     from megatron_flash.trainer.loss_adapter import nll_loss_fn
     from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
 
-    policy = MegatronPolicy(PolicySettings(hf_path=os.path.join(args.out, "tiny_model"), lr=1e-3,
-                                           micro_batch_size=64, seed=args.seed, total_steps=args.sft_steps))
+    policy = MegatronPolicy(PolicySettings(hf_path=os.path.join(args.out, "tiny_model"), micro_batch_size=64,
+                                           seed=args.seed, total_steps=args.sft_steps,
+                                           optimizer=OptimizerConfig(lr=1e-3, clip_grad=1.0)))
     rng = random.Random(args.seed)
     losses = []
     for step in range(1, args.sft_steps + 1):
@@ -84,6 +86,7 @@ def warm_up(args, tokenizer, task) -> dict:
 
 
 def grpo(args, tokenizer, task) -> dict:
+    from megatron_flash.config.schema import OptimizerConfig
     from megatron_flash.losses import compute_advantages, get_loss
     from megatron_flash.rewards.synthetic import exact_match_reward
     from megatron_flash.trainer.loss_adapter import make_loss_fn
@@ -91,8 +94,9 @@ def grpo(args, tokenizer, task) -> dict:
     from megatron_flash.trainer.sampling import sample
     from megatron_flash.types import Sample, collate
 
-    policy = MegatronPolicy(PolicySettings(hf_path=os.path.join(args.out, "warm_model"), lr=1e-3, clip_grad=1.0,
-                                           micro_batch_size=64, seed=args.seed + 1, total_steps=args.rl_steps))
+    policy = MegatronPolicy(PolicySettings(hf_path=os.path.join(args.out, "warm_model"), micro_batch_size=64,
+                                           seed=args.seed + 1, total_steps=args.rl_steps,
+                                           optimizer=OptimizerConfig(lr=1e-3, clip_grad=1.0)))
     loss = get_loss(args.loss)
     loss_fn = make_loss_fn(loss, aggregation="token_mean")
     rng = random.Random(args.seed + 2)

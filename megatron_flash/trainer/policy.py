@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_flash.config.schema import OptimizerConfig
 from megatron_flash.trainer.distributed import Layout, init_distributed
 from megatron_flash.trainer.hf_io import export_hf, load_hf_weights
 from megatron_flash.trainer.logprobs import vocab_parallel_logprobs
@@ -41,7 +42,7 @@ LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor, Optional[torch.Tensor]
 
 @dataclasses.dataclass
 class PolicySettings:
-    """What the policy needs from the run config (kept flat so tests can build one directly)."""
+    """What the policy needs from the run config; the optimizer section is the config's own."""
 
     hf_path: str
     tp_size: int = 1
@@ -49,35 +50,24 @@ class PolicySettings:
     dtype: str = "float32"
     micro_batch_size: int = 4
     seed: int = 1234
+    total_steps: int = 100
     make_vocab_size_divisible_by: int = 128
     use_transformer_engine: str = "auto"
     backend: str = "auto"
-    optimizer: str = "adam"
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_warmup_steps: int = 0
-    lr_decay_style: str = "constant"
-    total_steps: int = 100
-    use_distributed_optimizer: bool = False
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+
+    def __post_init__(self) -> None:
+        self.optimizer.validate()
 
     @classmethod
     def from_run_config(cls, cfg: Any) -> "PolicySettings":
-        o = cfg.optimizer
         return cls(
             hf_path=cfg.model.hf_path, tp_size=cfg.parallel.tensor_model_parallel_size,
             pp_size=cfg.parallel.pipeline_model_parallel_size, dtype=cfg.model.dtype,
             micro_batch_size=cfg.trainer.micro_batch_size, seed=cfg.trainer.seed,
-            make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+            total_steps=cfg.trainer.total_steps, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
             use_transformer_engine=cfg.model.use_transformer_engine, backend=cfg.parallel.backend,
-            optimizer=o.name, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
-            lr_warmup_steps=o.lr_warmup_steps, lr_decay_style=o.lr_decay_style,
-            total_steps=cfg.trainer.total_steps, use_distributed_optimizer=o.use_distributed_optimizer,
+            optimizer=cfg.optimizer,
         )
 
 
@@ -104,7 +94,7 @@ class MegatronPolicy:
 
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=self.settings.use_distributed_optimizer,
+            use_distributed_optimizer=self.settings.optimizer.use_distributed_optimizer,
         )
         model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=stage)
         self.config.finalize_model_grads_func = finalize_model_grads
@@ -112,24 +102,25 @@ class MegatronPolicy:
         return model
 
     def _build_optimizer(self) -> tuple[Any, Any]:
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        s = self.settings
+        s, o = self.settings, self.settings.optimizer
         dtype = DTYPES[s.dtype]
-        opt_config = OptimizerConfig(
-            optimizer=s.optimizer, lr=s.lr, min_lr=s.min_lr, weight_decay=s.weight_decay,
-            adam_beta1=s.adam_beta1, adam_beta2=s.adam_beta2, adam_eps=s.adam_eps, clip_grad=s.clip_grad,
+        opt_config = MegatronOptimizerConfig(
+            optimizer=o.name, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
-            use_distributed_optimizer=s.use_distributed_optimizer,
+            use_distributed_optimizer=o.use_distributed_optimizer,
         )
         optimizer = get_megatron_optimizer(opt_config, [self.model])
         if s.dtype == "float16":
             self.config.grad_scale_func = optimizer.scale_loss
         scheduler = OptimizerParamScheduler(
-            optimizer, init_lr=0.0 if s.lr_warmup_steps else s.lr, max_lr=s.lr, min_lr=s.min_lr,
-            lr_warmup_steps=s.lr_warmup_steps, lr_decay_steps=max(s.total_steps, 1),
-            lr_decay_style=s.lr_decay_style, start_wd=s.weight_decay, end_wd=s.weight_decay,
+            optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=max(s.total_steps, 1),
+            lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=max(s.total_steps, 1), wd_incr_style="constant",
         )
         return optimizer, scheduler

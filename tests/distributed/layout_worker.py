@@ -18,6 +18,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from megatron_flash.config.schema import OptimizerConfig  # noqa: E402
 from megatron_flash.trainer.distributed import destroy_distributed  # noqa: E402
 from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings  # noqa: E402
 
@@ -66,7 +67,8 @@ def main() -> None:
     args = p.parse_args()
     policy = MegatronPolicy(PolicySettings(
         hf_path=args.hf_dir, tp_size=args.tp, pp_size=args.pp, micro_batch_size=args.micro_batch_size,
-        optimizer=args.optimizer, lr=1e-3, clip_grad=1e6, use_distributed_optimizer=args.distributed_optimizer,
+        optimizer=OptimizerConfig(name=args.optimizer, lr=1e-3, clip_grad=1e6,
+                                  use_distributed_optimizer=args.distributed_optimizer),
     ))
     batch = fixed_batch(policy.spec.vocab_size)
     logprobs, _ = policy.compute_logprobs(batch)

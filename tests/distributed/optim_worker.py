@@ -12,6 +12,7 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
+from megatron_flash.config.schema import OptimizerConfig  # noqa: E402
 from megatron_flash.trainer.distributed import destroy_distributed  # noqa: E402
 from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings  # noqa: E402
 from tests.distributed.layout_worker import fixed_batch, weighted_nll  # noqa: E402
@@ -23,14 +24,17 @@ def flat_params(policy: MegatronPolicy) -> torch.Tensor:
 
 def main() -> None:
     hf_dir = sys.argv[1]
-    clip = MegatronPolicy(PolicySettings(hf_path=hf_dir, optimizer="sgd", lr=1.0, clip_grad=0.01, micro_batch_size=8))
+    clip = MegatronPolicy(PolicySettings(hf_path=hf_dir, micro_batch_size=8,
+                                          optimizer=OptimizerConfig(name="sgd", lr=1.0, clip_grad=0.01)))
     batch = fixed_batch(clip.spec.vocab_size)
     before = flat_params(clip)
     m = clip.train_step(batch, weighted_nll)
     update_norm = (flat_params(clip) - before).norm().item()
 
-    sched = MegatronPolicy(PolicySettings(hf_path=hf_dir, optimizer="sgd", lr=0.1, min_lr=0.01, lr_warmup_steps=2,
-                                          lr_decay_style="cosine", total_steps=6, clip_grad=1e6, micro_batch_size=8))
+    sched = MegatronPolicy(PolicySettings(
+        hf_path=hf_dir, total_steps=6, micro_batch_size=8,
+        optimizer=OptimizerConfig(name="sgd", lr=0.1, min_lr=0.01, lr_warmup_steps=2, lr_decay_style="cosine",
+                                  clip_grad=1e6)))
     lrs = [sched.train_step(batch, weighted_nll)["lr"] for _ in range(6)]
     print(json.dumps({"grad_norm": m["grad_norm"], "update_norm": update_norm, "lrs": lrs}))
     destroy_distributed()

@@ -25,6 +25,9 @@ setup(
         "datasets>=3",
         "math-verify>=0.7",
         "tqdm>=4.66",
+        "aiohttp>=3.9",  # engine client and proxy
+        "fastapi>=0.110",  # CPU engine server
+        "uvicorn>=0.29",
     ],
     extras_require={
         # The set CI pins (Python 3.11: megatron-core 0.16.1 is the newest that supports it).

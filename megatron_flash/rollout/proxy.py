@@ -1,0 +1,531 @@
+"""LLMProxy: one asyncio entry point in front of N engine servers (ROLL Flash's LLMProxy).
+
+    callers ──generate()──► FIFO queue ──(a slot frees)──► least-loaded healthy engine
+                                 ▲                               │ EngineUnreachable
+                                 └──────── retry, same rid ◄─────┘ (engine marked unhealthy)
+    health task: every health_check_interval_s, probe unhealthy engines; re-admit on /health 200
+                 (and, after a weight update they missed, only if their weight_version matches)
+
+Queue scheduling: each engine holds at most ``max_inflight_per_engine`` requests; the rest wait in
+one FIFO queue and the moment a slot frees (a request finishes, an engine is re-admitted, generation
+continues after a pause) the oldest waiter is handed that slot directly, so a later arrival never
+overtakes it. Among engines with a free slot the one with the fewest in-flight requests wins; ties
+rotate.
+
+Exactly once: a request whose engine dies under it (connection refused/reset, server gone, timeout,
+HTTP 502/503/504) is re-dispatched with the same rid to another engine, up to ``max_attempts``
+engines in all; its caller sees one result. A request aborted on purpose (``abort``/``abort_all``)
+is never retried: it returns ``finish_reason == "abort"`` (synthetic when it never reached an engine
+or its engine died after the abort). Other errors (HTTP 4xx/500, malformed replies) propagate: they
+would repeat on every engine.
+
+Control calls (pause/continue/abort_all/flush_cache/weight updates) fan out to every healthy engine
+and gather results; if any engine fails, ``EngineFanOutError`` names each failed engine.
+
+Metrics (``metrics()``, over the window since construction or ``reset_metrics()``), per engine:
+    busy_fraction      share of the window with >= 1 request of ours in flight on the engine
+    idle_fraction      1 - busy_fraction: zero requests in flight (whatever the queue held,
+                       healthy or not)
+    idle_while_queued_fraction  share of the window the engine was healthy, not paused, with zero
+                       in flight while requests waited in the queue. Queue scheduling keeps this ~0;
+                       anything larger is dispatch latency or a bug.
+plus in-flight now, the most ever in flight, completed requests, failures (requests or control
+calls that failed on it), health; and proxy-wide the queue length, completions, retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import (Any, AsyncIterator, Awaitable, Callable, Deque, Dict, List, Mapping, Optional,
+                    Sequence, Set, TypeVar, Union)
+
+from megatron_flash.rollout.engine_client import (EngineClient, EngineError, EngineHTTPError,
+                                                  EngineTimeout, EngineUnreachable, GenerateResult)
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_UNAVAILABLE_STATUSES = (502, 503, 504)
+
+
+class EngineFanOutError(RuntimeError):
+    """A fanned-out control call failed on some engines; ``errors`` maps URL → error."""
+
+    def __init__(self, op: str, *, num_targets: int, results: Dict[str, Any],
+                 errors: Dict[str, BaseException], detail: str = "") -> None:
+        self.op = op
+        self.results = results
+        self.errors = errors
+        lines = [f"{op} failed on {len(errors)} of {num_targets} engines" + (f": {detail}" if detail else "")]
+        lines += [f"  {url}: {err}" for url, err in errors.items()]
+        super().__init__("\n".join(lines))
+
+
+@dataclass
+class EngineMetrics:
+    url: str
+    healthy: bool
+    unhealthy_reason: str
+    inflight: int
+    max_inflight: int
+    completed: int
+    failures: int
+    busy_fraction: float
+    idle_fraction: float
+    idle_while_queued_fraction: float
+
+
+@dataclass
+class ProxyMetrics:
+    engines: List[EngineMetrics]
+    queue_len: int
+    completed: int
+    retried: int
+    aborted: int
+    window_s: float
+
+    def as_dict(self, prefix: str = "proxy") -> Dict[str, float]:
+        """Flat scalars for a logger: proxy/queue_len, proxy/engine0/busy_fraction, ..."""
+        out = {f"{prefix}/queue_len": self.queue_len, f"{prefix}/completed": self.completed,
+               f"{prefix}/retried": self.retried, f"{prefix}/aborted": self.aborted}
+        for i, e in enumerate(self.engines):
+            for name in ("inflight", "max_inflight", "completed", "failures", "busy_fraction",
+                         "idle_fraction", "idle_while_queued_fraction"):
+                out[f"{prefix}/engine{i}/{name}"] = float(getattr(e, name))
+            out[f"{prefix}/engine{i}/healthy"] = float(e.healthy)
+        return out
+
+
+@dataclass
+class _Engine:
+    client: EngineClient
+    healthy: bool = True
+    unhealthy_reason: str = ""
+    inflight: int = 0
+    max_inflight: int = 0
+    completed: int = 0
+    failures: int = 0
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+    idle_while_queued_s: float = 0.0
+    rids: Set[str] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    rid: str
+    future: "asyncio.Future[Optional[_Engine]]"
+
+
+class LLMProxy:
+    """Route generate() over engines; see the module docstring for the policy.
+
+    The proxy owns its clients (``close()`` closes them). Use ``async with LLMProxy(...)`` or call
+    ``start()`` (health checker) and ``close()`` yourself inside one event loop.
+    """
+
+    def __init__(self, clients: Sequence[EngineClient], *, max_inflight_per_engine: int,
+                 health_check_interval_s: float = 2.0, health_check_timeout_s: float = 5.0,
+                 max_attempts: Optional[int] = None) -> None:
+        if not clients:
+            raise ValueError("LLMProxy needs at least one engine client, got none")
+        if max_inflight_per_engine < 1:
+            raise ValueError(f"max_inflight_per_engine must be >= 1, got {max_inflight_per_engine}")
+        urls = [c.url for c in clients]
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"engine urls must be distinct, got {urls}")
+        self.max_inflight_per_engine = max_inflight_per_engine
+        self.health_check_interval_s = health_check_interval_s
+        self.health_check_timeout_s = health_check_timeout_s
+        self.max_attempts = max_attempts or max(3, 2 * len(clients))
+        self._engines = [_Engine(c) for c in clients]
+        self._waiters: Deque[_Waiter] = collections.deque()
+        self._queued: Dict[str, _Waiter] = {}
+        self._active: Dict[str, Optional[_Engine]] = {}  # rid → engine now serving it (None: between)
+        self._aborted: Set[str] = set()
+        self._paused = False
+        self._rotation = itertools.count()
+        self._fleet_weight_version: Optional[str] = None
+        self._health_task: Optional[asyncio.Task] = None
+        self._background: Set[asyncio.Future] = set()
+        self._closed = False
+        self.reset_metrics()
+
+    @classmethod
+    def from_urls(cls, urls: Sequence[str], *, max_inflight_per_engine: int, api_key: Optional[str] = None,
+                  request_timeout_s: float = 600.0, **kwargs: Any) -> "LLMProxy":
+        clients = [EngineClient(u, api_key=api_key, request_timeout_s=request_timeout_s) for u in urls]
+        return cls(clients, max_inflight_per_engine=max_inflight_per_engine, **kwargs)
+
+    @classmethod
+    def from_config(cls, config: Any, urls: Sequence[str], **kwargs: Any) -> "LLMProxy":
+        """From an ``EngineConfig`` and the URLs the launcher returned."""
+        return cls.from_urls(urls, max_inflight_per_engine=config.max_inflight_per_engine,
+                             api_key=config.api_key, request_timeout_s=config.request_timeout_s, **kwargs)
+
+    @property
+    def urls(self) -> List[str]:
+        return [e.client.url for e in self._engines]
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def __aenter__(self) -> "LLMProxy":
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def start(self) -> None:
+        if self._health_task is None:
+            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        for e in self._engines:
+            await e.client.close()
+
+    # -- generation -----------------------------------------------------------------------------
+    async def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *,
+                       return_logprob: bool = True, rid: Optional[str] = None) -> GenerateResult:
+        """One completion from whichever engine frees a slot first. See the module docstring."""
+        self.start()
+        rid = rid or uuid.uuid4().hex
+        if rid in self._active:
+            raise ValueError(f"rid {rid!r} is already in flight through this proxy")
+        self._active[rid] = None
+        attempts: List[str] = []
+        try:
+            while True:
+                if rid in self._aborted:
+                    return self._aborted_result(rid, "aborted; its engine failed before replying")
+                engine = await self._acquire(rid)
+                if engine is None:
+                    return self._aborted_result(rid, "aborted by the proxy before dispatch")
+                self._active[rid] = engine
+                engine.rids.add(rid)
+                try:
+                    result = await engine.client.generate(input_ids, sampling_params,
+                                                          return_logprob=return_logprob, rid=rid)
+                except (EngineUnreachable, EngineHTTPError) as e:
+                    engine.rids.discard(rid)
+                    lost = isinstance(e, EngineUnreachable) or e.status in _UNAVAILABLE_STATUSES
+                    if lost:  # before the release, or the freed slot would go to the dead engine
+                        self._mark_unhealthy(engine, e)
+                    self._release(engine, failed=True)
+                    if not lost:
+                        raise
+                    if isinstance(e, EngineTimeout):  # it may still be generating: stop it
+                        task = asyncio.ensure_future(self._quiet_abort(engine, rid))
+                        self._background.add(task)
+                        task.add_done_callback(self._background.discard)
+                    attempts.append(engine.client.url)
+                    self._active[rid] = None
+                    if len(attempts) >= self.max_attempts:
+                        raise
+                    self._retried += 1
+                    logger.warning("request %s lost with %s (%s); retrying on another engine", rid,
+                                   engine.client.url, e)
+                    continue
+                except BaseException:
+                    engine.rids.discard(rid)
+                    self._release(engine, failed=True)
+                    raise
+                engine.rids.discard(rid)
+                self._release(engine, failed=False)
+                return result
+        finally:
+            self._active.pop(rid, None)
+            self._aborted.discard(rid)
+
+    def _aborted_result(self, rid: str, message: str) -> GenerateResult:
+        self._num_aborted += 1
+        return GenerateResult(rid=rid, output_ids=[], output_logprobs=[], finish_reason="abort",
+                              finish_message=message)
+
+    async def _quiet_abort(self, engine: _Engine, rid: str) -> None:
+        with contextlib.suppress(EngineError):
+            await engine.client.abort(rid, timeout_s=self.health_check_timeout_s)
+
+    async def abort(self, rid: str) -> bool:
+        """Abort one request wherever it is; False if the proxy does not know the rid."""
+        if rid not in self._active:
+            return False
+        self._aborted.add(rid)
+        waiter = self._queued.pop(rid, None)
+        if waiter is not None and not waiter.future.done():
+            self._tick()
+            self._waiters.remove(waiter)
+            waiter.future.set_result(None)
+            return True
+        engine = self._active.get(rid)
+        if engine is not None:
+            try:
+                await engine.client.abort(rid)
+            except EngineUnreachable:
+                pass  # its engine is gone: the request ends as aborted without a retry
+        return True
+
+    async def abort_all(self) -> Dict[str, Any]:
+        """Abort every queued request here and every running one on the engines."""
+        self._aborted.update(self._active)
+        self._tick()
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            self._queued.pop(waiter.rid, None)
+            if not waiter.future.done():
+                waiter.future.set_result(None)
+        return await self._fan_out("abort_all", lambda c: c.abort_all())
+
+    # -- slots ----------------------------------------------------------------------------------
+    def _pick(self) -> Optional[_Engine]:
+        free = [e for e in self._engines if e.healthy and e.inflight < self.max_inflight_per_engine]
+        if not free:
+            return None
+        least = min(e.inflight for e in free)
+        ties = [e for e in free if e.inflight == least]
+        return ties[next(self._rotation) % len(ties)]
+
+    def _take(self, engine: _Engine) -> None:
+        self._tick()
+        engine.inflight += 1
+        engine.max_inflight = max(engine.max_inflight, engine.inflight)
+
+    async def _acquire(self, rid: str) -> Optional[_Engine]:
+        """A slot on an engine, or None when the request was aborted while it waited."""
+        if not self._waiters and not self._paused:
+            engine = self._pick()
+            if engine is not None:
+                self._take(engine)
+                return engine
+        waiter = _Waiter(rid, asyncio.get_running_loop().create_future())
+        self._tick()
+        self._waiters.append(waiter)
+        self._queued[rid] = waiter
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.result():
+                self._release(waiter.future.result(), failed=False, count=False)
+            elif waiter in self._waiters:
+                self._tick()
+                self._waiters.remove(waiter)
+            raise
+        finally:
+            self._queued.pop(rid, None)
+
+    def _release(self, engine: _Engine, *, failed: bool, count: bool = True) -> None:
+        self._tick()
+        engine.inflight -= 1
+        assert engine.inflight >= 0, engine
+        if count:
+            if failed:
+                engine.failures += 1
+            else:
+                engine.completed += 1
+                self._num_completed += 1
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Hand free slots to the oldest waiters (the heart of queue scheduling)."""
+        while self._waiters and not self._paused:
+            engine = self._pick()
+            if engine is None:
+                return
+            waiter = self._waiters.popleft()
+            self._queued.pop(waiter.rid, None)
+            if waiter.future.done():  # cancelled by its caller
+                continue
+            self._take(engine)
+            waiter.future.set_result(engine)
+
+    # -- health ---------------------------------------------------------------------------------
+    def _mark_unhealthy(self, engine: _Engine, error: BaseException) -> None:
+        if engine.healthy:
+            logger.warning("engine %s marked unhealthy: %s", engine.client.url, error)
+        self._tick()
+        engine.healthy = False
+        engine.unhealthy_reason = str(error)
+
+    async def _health_loop(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.health_check_interval_s)
+            sick = [e for e in self._engines if not e.healthy]
+            if sick:
+                await asyncio.gather(*(self._probe(e) for e in sick))
+
+    async def _probe(self, engine: _Engine) -> None:
+        if not await engine.client.is_healthy(timeout_s=self.health_check_timeout_s):
+            return
+        if self._fleet_weight_version is not None:
+            # It missed a weight update while out: serving it now would hand out stale samples.
+            try:
+                version = await engine.client.get_weight_version(timeout_s=self.health_check_timeout_s)
+            except EngineError as e:
+                engine.unhealthy_reason = f"healthy again, but its weight version is unknown: {e}"
+                return
+            if version != self._fleet_weight_version:
+                engine.unhealthy_reason = (f"healthy again, but at weight_version {version!r} while the "
+                                           f"fleet is at {self._fleet_weight_version!r}: sync it first")
+                return
+        logger.info("engine %s re-admitted", engine.client.url)
+        self._tick()
+        engine.healthy = True
+        engine.unhealthy_reason = ""
+        self._dispatch()
+
+    async def check_health(self) -> None:
+        """Probe every engine now; healthy ones that fail are marked unhealthy, others re-admitted."""
+        for engine in self._engines:
+            if engine.healthy:
+                try:
+                    await engine.client.health(timeout_s=self.health_check_timeout_s, retries=0)
+                except EngineError as e:
+                    self._mark_unhealthy(engine, e)
+            else:
+                await self._probe(engine)
+
+    # -- fan-out --------------------------------------------------------------------------------
+    async def _fan_out(self, op: str, call: Callable[[EngineClient], Awaitable[T]],
+                       targets: Optional[Sequence[_Engine]] = None) -> Dict[str, T]:
+        targets = [e for e in self._engines if e.healthy] if targets is None else list(targets)
+        if not targets:
+            raise EngineFanOutError(op, num_targets=0, results={}, errors={},
+                                    detail="no healthy engine (unhealthy: " + "; ".join(
+                                        f"{e.client.url}: {e.unhealthy_reason}" for e in self._engines) + ")")
+        outs = await asyncio.gather(*(call(e.client) for e in targets), return_exceptions=True)
+        results: Dict[str, T] = {}
+        errors: Dict[str, BaseException] = {}
+        for engine, out in zip(targets, outs):
+            if isinstance(out, BaseException):
+                if not isinstance(out, Exception):
+                    raise out
+                errors[engine.client.url] = out
+                engine.failures += 1
+                if isinstance(out, EngineUnreachable):
+                    self._mark_unhealthy(engine, out)
+            else:
+                results[engine.client.url] = out
+        if errors:
+            raise EngineFanOutError(op, num_targets=len(targets), results=results, errors=errors)
+        return results
+
+    async def pause_generation(self, mode: str = "abort") -> Dict[str, Any]:
+        """Stop dispatching, then pause every engine (abort: running requests return finish abort;
+        retract/in_place: they resume after continue_generation)."""
+        self._paused = True
+        return await self._fan_out("pause_generation", lambda c: c.pause_generation(mode))
+
+    async def continue_generation(self) -> Dict[str, Any]:
+        results = await self._fan_out("continue_generation", lambda c: c.continue_generation())
+        self._tick()
+        self._paused = False
+        self._dispatch()
+        return results
+
+    async def flush_cache(self) -> Dict[str, Any]:
+        return await self._fan_out("flush_cache", lambda c: c.flush_cache())
+
+    @contextlib.asynccontextmanager
+    async def weight_update_session(self) -> AsyncIterator[None]:
+        """One begin … end session on every healthy engine around all buckets of a sync."""
+        targets = [e for e in self._engines if e.healthy]
+        try:
+            await self._fan_out("begin_weight_update", lambda c: c.begin_weight_update(), targets)
+        except EngineFanOutError as e:
+            opened = [t for t in targets if t.client.url in e.results]
+            with contextlib.suppress(EngineFanOutError):
+                await self._fan_out("end_weight_update", lambda c: c.end_weight_update(), opened)
+            raise
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(EngineFanOutError):
+                await self._fan_out("end_weight_update", lambda c: c.end_weight_update(), targets)
+            raise
+        await self._fan_out("end_weight_update", lambda c: c.end_weight_update(), targets)
+
+    def _note_version(self, weight_version: Optional[str]) -> None:
+        if weight_version is not None:
+            self._fleet_weight_version = weight_version
+
+    async def update_weights_from_tensor(self, serialized_named_tensors: Union[Sequence[Union[str, bytes]],
+                                                                                Mapping[str, Sequence[Union[str, bytes]]]],
+                                         **kwargs: Any) -> Dict[str, Any]:
+        """``serialized_named_tensors``: one list for all engines, or a mapping URL → list."""
+        def call(c: EngineClient) -> Awaitable[Dict[str, Any]]:
+            payload = (serialized_named_tensors[c.url] if isinstance(serialized_named_tensors, Mapping)
+                       else serialized_named_tensors)
+            return c.update_weights_from_tensor(payload, **kwargs)
+
+        results = await self._fan_out("update_weights_from_tensor", call)
+        self._note_version(kwargs.get("weight_version"))
+        return results
+
+    async def init_weights_update_group(self, *, rank_offsets: Mapping[str, int], **kwargs: Any) -> Dict[str, Any]:
+        """``rank_offsets``: URL → the engine's first rank in the group (1 + Σ earlier engines' TP)."""
+        return await self._fan_out("init_weights_update_group", lambda c: c.init_weights_update_group(
+            rank_offset=rank_offsets[c.url], **kwargs))
+
+    async def update_weights_from_distributed(self, **kwargs: Any) -> Dict[str, Any]:
+        results = await self._fan_out("update_weights_from_distributed",
+                                      lambda c: c.update_weights_from_distributed(**kwargs))
+        self._note_version(kwargs.get("weight_version"))
+        return results
+
+    async def update_weights_from_disk(self, model_path: str, **kwargs: Any) -> Dict[str, Any]:
+        results = await self._fan_out("update_weights_from_disk",
+                                      lambda c: c.update_weights_from_disk(model_path, **kwargs))
+        self._note_version(kwargs.get("weight_version"))
+        return results
+
+    async def get_weight_versions(self) -> Dict[str, str]:
+        return await self._fan_out("get_weight_version", lambda c: c.get_weight_version())
+
+    # -- metrics --------------------------------------------------------------------------------
+    def _tick(self) -> None:
+        """Account the time since the last state change to each engine's busy/idle counters.
+        Called before every change of in-flight counts, queue length, health or pause."""
+        now = time.monotonic()
+        dt = now - self._last_tick
+        self._last_tick = now
+        queued = bool(self._waiters)
+        for e in self._engines:
+            if e.inflight > 0:
+                e.busy_s += dt
+            else:
+                e.idle_s += dt
+                if queued and e.healthy and not self._paused:
+                    e.idle_while_queued_s += dt
+
+    def reset_metrics(self) -> None:
+        """Start a new metrics window (counts and time fractions; in-flight state is kept)."""
+        self._window_start = self._last_tick = time.monotonic()
+        self._num_completed = self._retried = self._num_aborted = 0
+        for e in getattr(self, "_engines", []):
+            e.completed = e.failures = 0
+            e.busy_s = e.idle_s = e.idle_while_queued_s = 0.0
+            e.max_inflight = e.inflight
+
+    def metrics(self) -> ProxyMetrics:
+        self._tick()
+        window = max(self._last_tick - self._window_start, 1e-9)
+        return ProxyMetrics(
+            engines=[EngineMetrics(url=e.client.url, healthy=e.healthy, unhealthy_reason=e.unhealthy_reason,
+                                   inflight=e.inflight, max_inflight=e.max_inflight, completed=e.completed,
+                                   failures=e.failures, busy_fraction=e.busy_s / window,
+                                   idle_fraction=e.idle_s / window,
+                                   idle_while_queued_fraction=e.idle_while_queued_s / window)
+                     for e in self._engines],
+            queue_len=len(self._waiters), completed=self._num_completed, retried=self._retried,
+            aborted=self._num_aborted, window_s=window)

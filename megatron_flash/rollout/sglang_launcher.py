@@ -1,0 +1,371 @@
+"""Start engine servers as child processes (SGLang or our CPU server), or attach to running ones.
+
+    launcher = EngineLauncher.from_config(cfg.engines, model_path=cfg.model.hf_path, run_dir=run_dir)
+    with launcher:                       # start(): spawn, wait for every /health; stop() on exit
+        urls = launcher.urls             # http://127.0.0.1:30000, http://127.0.0.1:30001, ...
+
+What one engine gets (backend sglang, engine i, tp_size t):
+    CUDA_VISIBLE_DEVICES=<gpu_ids[i*t:(i+1)*t]> python -m sglang.launch_server --model-path M
+        --host H --port base_port+i --tp-size t [--api-key K] <server_args as flags>
+backend cpu runs ``python -m megatron_flash.rollout.cpu_server`` with the same flags minus --tp-size;
+backend attach starts nothing and only waits for the given URLs' /health. ``EngineCommand`` is the
+one place a command line is made, so another server (e.g. a test dummy) plugs in the same way.
+
+``server_args`` pass through verbatim (SGLang's own flag names, ``_`` or ``-``): True → bare flag,
+False/None → omitted, a list → the flag once followed by every item (SGLang declares list flags
+with nargs="+", so a repeated flag would keep only its last value), a dict → one JSON argument.
+
+Each server's stdout+stderr go to ``<run_dir>/engines/engine_<i>.log`` (first line: the command,
+API key redacted). Start-up waits for HTTP 200 on /health until ``startup_timeout_s``; a server
+that exits first, or the deadline, raises ``EngineStartupError`` with the log's tail, after
+stopping every server this launcher started. Servers run in their own process groups and are
+stopped group-wide (SIGTERM, then SIGKILL after ``stop_grace_s``) by ``stop()``, at interpreter
+exit (atexit), and on SIGTERM/SIGHUP to this process (handlers installed once, from the main thread,
+chaining to the previous handler). A SIGKILL to this process cannot be caught: its servers then
+outlive it (their logs name their pids).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+BACKENDS = ("cpu", "sglang", "attach")
+
+
+class EngineStartupError(RuntimeError):
+    """An engine server did not come up: exited early or missed the start-up deadline."""
+
+
+def server_args_to_flags(server_args: Mapping[str, Any]) -> List[str]:
+    """{"mem_fraction_static": 0.8, "disable-cuda-graph": True, "cuda-graph-bs": [1, 2]} →
+    ["--mem-fraction-static", "0.8", "--disable-cuda-graph", "--cuda-graph-bs", "1", "2"]."""
+    argv: List[str] = []
+    for key, value in server_args.items():
+        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            if value:
+                argv += [flag] + [str(v) for v in value]
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+@dataclass(frozen=True)
+class EngineCommand:
+    """How to start one engine server: the argv prefix plus which flags it understands."""
+
+    prefix: Tuple[str, ...]
+    tp_flag: Optional[str] = "--tp-size"
+    """None for servers without tensor parallelism (they then require tp_size == 1)."""
+
+    @classmethod
+    def sglang(cls, python: str = sys.executable) -> "EngineCommand":
+        return cls((python, "-m", "sglang.launch_server"))
+
+    @classmethod
+    def cpu(cls, python: str = sys.executable) -> "EngineCommand":
+        return cls((python, "-m", "megatron_flash.rollout.cpu_server"), tp_flag=None)
+
+    @classmethod
+    def for_backend(cls, backend: str, python: str = sys.executable) -> "EngineCommand":
+        if backend == "sglang":
+            return cls.sglang(python)
+        if backend == "cpu":
+            return cls.cpu(python)
+        raise ValueError(f"no command for engine backend {backend!r} (known: sglang, cpu)")
+
+    def build(self, *, model_path: str, host: str, port: int, tp_size: int = 1,
+              api_key: Optional[str] = None, server_args: Optional[Mapping[str, Any]] = None) -> List[str]:
+        argv = [*self.prefix, "--model-path", model_path, "--host", host, "--port", str(port)]
+        if self.tp_flag is not None:
+            argv += [self.tp_flag, str(tp_size)]
+        elif tp_size != 1:
+            raise ValueError(f"{' '.join(self.prefix)} has no tensor parallelism; tp_size must be 1, "
+                             f"got {tp_size}")
+        if api_key:
+            argv += ["--api-key", api_key]
+        return argv + server_args_to_flags(server_args or {})
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything about one engine before it starts (printable: ``launcher.specs()``)."""
+
+    index: int
+    url: str
+    argv: Tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Variables set on top of this process's environment."""
+    log_path: str = ""
+
+
+def _client_host(host: str) -> str:
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(host, host)
+
+
+def log_tail(path: str, *, num_lines: int = 40, max_bytes: int = 16384) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            data = f.read().decode("utf-8", errors="replace")
+    except OSError as e:
+        return f"<cannot read {path}: {e}>"
+    return "\n".join(data.splitlines()[-num_lines:])
+
+
+def probe_health(url: str, *, api_key: Optional[str] = None, timeout_s: float = 2.0) -> bool:
+    """True when GET <url>/health answers 200 (synchronous: start-up runs before any event loop)."""
+    request = urllib.request.Request(url + "/health")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class EngineLauncher:
+    """Start N engine servers (or attach to running ones) and stop them; see the module docstring."""
+
+    def __init__(self, *, backend: str, model_path: str = "", num_engines: int = 1,
+                 urls: Sequence[str] = (), host: str = "127.0.0.1", base_port: int = 30000,
+                 tp_size: int = 1, gpu_ids: Sequence[int] = (), first_gpu: int = 0,
+                 server_args: Optional[Mapping[str, Any]] = None, api_key: Optional[str] = None,
+                 startup_timeout_s: float = 300.0, run_dir: str = ".",
+                 command: Optional[EngineCommand] = None, env: Optional[Mapping[str, str]] = None,
+                 stop_grace_s: float = 15.0, poll_interval_s: float = 0.5) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {'|'.join(BACKENDS)}, got {backend!r}")
+        if backend == "attach":
+            if not urls:
+                raise ValueError("backend=attach needs urls, got none")
+        elif not model_path:
+            raise ValueError(f"backend={backend} needs model_path, got {model_path!r}")
+        if gpu_ids and len(gpu_ids) != num_engines * tp_size:
+            raise ValueError(f"gpu_ids must hold num_engines × tp_size = {num_engines * tp_size} ids, "
+                             f"got {list(gpu_ids)}")
+        self.backend = backend
+        self.model_path = model_path
+        self.num_engines = len(urls) if backend == "attach" else num_engines
+        self._attach_urls = [u.rstrip("/") for u in urls]
+        self.host = host
+        self.base_port = base_port
+        self.tp_size = tp_size
+        self.gpu_ids = list(gpu_ids)
+        self.first_gpu = first_gpu
+        self.server_args = dict(server_args or {})
+        self.api_key = api_key
+        self.startup_timeout_s = startup_timeout_s
+        self.run_dir = run_dir
+        self.command = command or (None if backend == "attach" else EngineCommand.for_backend(backend))
+        self.env = dict(env or {})
+        self.stop_grace_s = stop_grace_s
+        self.poll_interval_s = poll_interval_s
+        self._procs: List[Optional[subprocess.Popen]] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: Any, *, model_path: str, run_dir: str, **kwargs: Any) -> "EngineLauncher":
+        """From an ``EngineConfig``; kwargs (command, env, first_gpu, stop_grace_s) pass through."""
+        return cls(backend=config.backend, model_path=model_path, num_engines=config.num_engines,
+                   urls=config.urls, host=config.host, base_port=config.base_port, tp_size=config.tp_size,
+                   gpu_ids=config.gpu_ids, server_args=config.server_args, api_key=config.api_key,
+                   startup_timeout_s=config.startup_timeout_s, run_dir=run_dir, **kwargs)
+
+    # -- plan -----------------------------------------------------------------------------------
+    def specs(self) -> List[EngineSpec]:
+        if self.backend == "attach":
+            return [EngineSpec(index=i, url=u) for i, u in enumerate(self._attach_urls)]
+        gpus = self.gpu_ids or list(range(self.first_gpu, self.first_gpu + self.num_engines * self.tp_size))
+        specs = []
+        for i in range(self.num_engines):
+            port = self.base_port + i
+            argv = self.command.build(model_path=self.model_path, host=self.host, port=port,
+                                      tp_size=self.tp_size, api_key=self.api_key, server_args=self.server_args)
+            env = dict(self.env)
+            if self.backend == "sglang":
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus[i * self.tp_size:(i + 1) * self.tp_size])
+            specs.append(EngineSpec(index=i, url=f"http://{_client_host(self.host)}:{port}", argv=tuple(argv),
+                                    env=env, log_path=os.path.join(self.run_dir, "engines", f"engine_{i}.log")))
+        return specs
+
+    @property
+    def urls(self) -> List[str]:
+        return [s.url for s in self.specs()]
+
+    def _printable(self, argv: Sequence[str]) -> str:
+        shown = ["<redacted>" if self.api_key and a == self.api_key else a for a in argv]
+        return " ".join(shlex.quote(a) for a in shown)
+
+    # -- start / stop ---------------------------------------------------------------------------
+    def __enter__(self) -> "EngineLauncher":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self) -> List[str]:
+        """Spawn the servers (none for attach) and wait until every /health answers 200."""
+        specs = self.specs()
+        if self.backend != "attach":
+            if self._procs:
+                raise RuntimeError("this launcher's engines are already started; stop() them first")
+            _register(self)
+            os.makedirs(os.path.join(self.run_dir, "engines"), exist_ok=True)
+            try:
+                for spec in specs:
+                    self._procs.append(self._spawn(spec))
+            except BaseException:
+                self.stop()
+                raise
+        try:
+            self._wait_healthy(specs)
+        except BaseException:
+            self.stop()
+            raise
+        return [s.url for s in specs]
+
+    def _spawn(self, spec: EngineSpec) -> subprocess.Popen:
+        with open(spec.log_path, "ab") as log:
+            env_text = " ".join(f"{k}={shlex.quote(v)}" for k, v in spec.env.items())
+            log.write(f"# engine {spec.index}: {env_text} {self._printable(spec.argv)}\n".encode())
+            log.flush()
+            # Own session = own process group: stop() signals the server and everything it forked.
+            return subprocess.Popen(list(spec.argv), stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env={**os.environ, **spec.env},
+                                    start_new_session=True)
+
+    def _wait_healthy(self, specs: Sequence[EngineSpec]) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        pending = list(specs)
+        while pending:
+            for spec in list(pending):
+                proc = self._procs[spec.index] if self._procs else None
+                if proc is not None and proc.poll() is not None:
+                    raise EngineStartupError(
+                        f"engine {spec.index} ({spec.url}) exited with code {proc.returncode} during "
+                        f"start-up; last lines of {spec.log_path}:\n{log_tail(spec.log_path)}")
+                remaining = deadline - time.monotonic()
+                if probe_health(spec.url, api_key=self.api_key, timeout_s=max(0.1, min(2.0, remaining))):
+                    pending.remove(spec)
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                parts = []
+                for spec in pending:
+                    where = f"; last lines of {spec.log_path}:\n{log_tail(spec.log_path)}" if spec.log_path else ""
+                    parts.append(f"engine {spec.index} ({spec.url}) not healthy after "
+                                 f"{self.startup_timeout_s:g}s (startup_timeout_s){where}")
+                raise EngineStartupError("\n".join(parts))
+            time.sleep(self.poll_interval_s)
+
+    @property
+    def pids(self) -> List[int]:
+        return [p.pid for p in self._procs if p is not None]
+
+    def stop(self) -> None:
+        """SIGTERM every server's process group, SIGKILL what is left after stop_grace_s. Idempotent."""
+        with self._lock:
+            procs = [p for p in self._procs if p is not None]
+            self._procs = []
+        if not procs:
+            return
+        for proc in procs:
+            _signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_grace_s
+        for proc in procs:
+            while time.monotonic() < deadline and (proc.poll() is None or _group_alive(proc.pid)):
+                time.sleep(0.05)
+        for proc in procs:
+            _signal_group(proc.pid, signal.SIGKILL)
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL not delivered
+                pass
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Any non-zombie member left in the group (zombies of reparented children do not count)."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != b"Z":
+                return True
+        return False
+    except OSError:  # no /proc (macOS): trust killpg
+        return True
+
+
+# -- process-wide cleanup: atexit and SIGTERM/SIGHUP stop every live launcher ------------------
+_LIVE: "weakref.WeakSet[EngineLauncher]" = weakref.WeakSet()
+_HANDLERS_INSTALLED = False
+_PREVIOUS: Dict[int, Any] = {}
+
+
+def stop_all() -> None:
+    for launcher in list(_LIVE):
+        launcher.stop()
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    stop_all()
+    previous = _PREVIOUS.get(signum, signal.SIG_DFL)
+    if callable(previous):
+        previous(signum, frame)
+        return
+    if previous == signal.SIG_IGN:
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _register(launcher: EngineLauncher) -> None:
+    global _HANDLERS_INSTALLED
+    _LIVE.add(launcher)
+    if _HANDLERS_INSTALLED:
+        return
+    _HANDLERS_INSTALLED = True
+    atexit.register(stop_all)
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            _PREVIOUS[signum] = signal.getsignal(signum)
+            signal.signal(signum, _on_signal)

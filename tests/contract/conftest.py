@@ -1,0 +1,117 @@
+"""Contract tier: the SGLang native HTTP API, asserted over raw HTTP against every backend in BACKENDS.
+
+`engine` starts one server per backend for the whole session (tests must leave its weights as they
+found them); modules that change weights or need a flag start their own through `launch_engine`.
+
+Backends:
+    "cpu"     megatron_flash.rollout.cpu_server (transformers continuous batching), started here.
+    "sglang"  real SGLang 0.5.23 on CPU. HOOK: add "sglang" to BACKENDS and provide
+              tests/contract/sglang_backend.py with
+                  start_sglang_server(model_dir, port, log_path, *, api_key=None) -> subprocess.Popen
+              (imported only when that backend is requested).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# `make test` runs the CPU server; `make test-sglang` sets MF_CONTRACT_BACKENDS=sglang (real SGLang 0.5.23 on CPU,
+# installed by tools/sglang_cpu/install.sh into .cache/sglang-venv).
+BACKENDS = [b for b in os.environ.get("MF_CONTRACT_BACKENDS", "cpu").split(",") if b]
+STARTUP_DEADLINE_S = {"cpu": 120.0, "sglang": 300.0}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class EngineServer:
+    backend: str
+    url: str
+    model_dir: str
+    proc: subprocess.Popen
+    log_path: str
+    api_key: str | None = None
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-num_chars:]
+        except OSError:
+            return "<no log>"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=20)
+
+
+def _start_cpu_server(model_dir: str, port: int, log_path: str, *, api_key: str | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "megatron_flash.rollout.cpu_server", "--model-path", model_dir,
+           "--port", str(port), "--host", "127.0.0.1", "--num-blocks", "64", "--page-size", "16",
+           "--max-batch-tokens", "256", "--log-level", "warning"]
+    if api_key is not None:
+        cmd += ["--api-key", api_key]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"}
+    log = open(log_path, "w")
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def launch_engine(backend: str, model_dir: str, log_dir: str, *, api_key: str | None = None) -> EngineServer:
+    """Start a server of `backend` on a free loopback port and wait (with a deadline) for /health."""
+    port = free_port()
+    log_path = os.path.join(log_dir, f"{backend}-{port}.log")
+    if backend == "cpu":
+        proc = _start_cpu_server(model_dir, port, log_path, api_key=api_key)
+    elif backend == "sglang":  # HOOK: provided by the real-SGLang tier
+        from tests.contract.sglang_backend import start_sglang_server
+
+        proc = start_sglang_server(model_dir, port, log_path, api_key=api_key)
+    else:
+        raise ValueError(f"unknown backend {backend!r}; known: cpu, sglang")
+    server = EngineServer(backend=backend, url=f"http://127.0.0.1:{port}", model_dir=model_dir, proc=proc,
+                          log_path=log_path, api_key=api_key)
+    deadline = time.monotonic() + STARTUP_DEADLINE_S[backend]
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"{backend} server exited with {proc.returncode}:\n{server.log_tail()}")
+        try:
+            with urllib.request.urlopen(server.url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return server
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.25)
+    server.stop()
+    raise AssertionError(f"{backend} server not healthy after {STARTUP_DEADLINE_S[backend]} s:\n{server.log_tail()}")
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def engine(request: pytest.FixtureRequest, tiny_models: dict[str, str],
+           tmp_path_factory: pytest.TempPathFactory) -> Any:
+    server = launch_engine(request.param, tiny_models["llama"], str(tmp_path_factory.mktemp("engine_logs")))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_url(engine: EngineServer) -> str:
+    return engine.url

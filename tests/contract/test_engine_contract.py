@@ -1,0 +1,105 @@
+"""/generate against SGLang's JSON contract: fields, finish reasons, and logprobs equal to a teacher-forced
+transformers forward of the same weights (logits / T, log_softmax; T = 1 for greedy)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.contract.helpers import assert_logprobs_match, generate, http, post
+
+PROMPT = [1, 14, 15, 16, 30, 4]  # "<s>" then a few characters of the tiny tokenizer
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_match_teacher_forcing(engine, temperature: float) -> None:
+    out = generate(engine.url, PROMPT, return_logprob=True,
+                   sampling_params={"temperature": temperature, "max_new_tokens": 24, "ignore_eos": True})
+    meta = out["meta_info"]
+    assert set(out) >= {"text", "output_ids", "meta_info"}
+    assert meta["finish_reason"] == {"type": "length", "length": 24}
+    assert meta["prompt_tokens"] == len(PROMPT) and meta["completion_tokens"] == 24
+    assert isinstance(meta["id"], str) and meta["id"]
+    assert meta["weight_version"] == "default"
+    assert all(len(e) == 3 and e[2] is None for e in meta["output_token_logprobs"])
+    assert_logprobs_match(engine.model_dir, PROMPT, out, temperature=temperature)
+
+
+def test_greedy_is_deterministic_and_argmax(engine) -> None:
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    first = generate(engine.url, PROMPT, return_logprob=True, sampling_params=params)
+    second = generate(engine.url, PROMPT, return_logprob=True, sampling_params=params)
+    assert first["output_ids"] == second["output_ids"]
+    assert_logprobs_match(engine.model_dir, PROMPT, first, temperature=0)
+    # Greedy picks the argmax of the teacher's logits at every step.
+    from tests.contract.helpers import _REFERENCE_MODELS
+    import torch
+
+    model = _REFERENCE_MODELS[engine.model_dir]
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + first["output_ids"]])).logits[0]
+    argmax = logits[len(PROMPT) - 1:-1].argmax(-1).tolist()
+    assert argmax == first["output_ids"]
+
+
+def test_max_new_tokens_and_stop_token(engine) -> None:
+    greedy = {"temperature": 0, "ignore_eos": True}
+    out = generate(engine.url, PROMPT, sampling_params={**greedy, "max_new_tokens": 5})
+    assert len(out["output_ids"]) == 5
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+
+    full = generate(engine.url, PROMPT, sampling_params={**greedy, "max_new_tokens": 12})["output_ids"]
+    stop = full[3]
+    cut = full.index(stop) + 1
+    out = generate(engine.url, PROMPT, sampling_params={**greedy, "max_new_tokens": 12, "stop_token_ids": [stop]})
+    assert out["output_ids"] == full[:cut]  # the stop token is part of the output, as SGLang
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_stops_on_eos(engine) -> None:
+    """Find (with the reference model) a prompt whose greedy continuation reaches EOS, then expect finish stop."""
+    import torch
+
+    from tests.contract.helpers import teacher_logprobs, _REFERENCE_MODELS
+
+    teacher_logprobs(engine.model_dir, [1], [], temperature=1.0)  # loads the reference model
+    model = _REFERENCE_MODELS[engine.model_dir]
+    eos = 2
+    found = None
+    for a in range(4, 48):
+        for b in (5, 17, 29):
+            ids = [1, a, b]
+            with torch.no_grad():
+                for _ in range(40):
+                    nxt = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+                    ids.append(nxt)
+                    if nxt == eos:
+                        found = ids
+                        break
+            if found:
+                break
+        if found:
+            break
+    if found is None:
+        pytest.skip("no prompt of the search space reaches EOS greedily with this tiny model")
+    prompt, expected = found[:3], found[3:]
+    out = generate(engine.url, prompt, sampling_params={"temperature": 0, "max_new_tokens": 60})
+    assert out["output_ids"] == expected and out["output_ids"][-1] == eos
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+
+
+def test_batch_input_ids_and_rid(engine) -> None:
+    out = generate(engine.url, [PROMPT, PROMPT[:3]], rid=["batch-a", "batch-b"],
+                   sampling_params={"temperature": 0, "max_new_tokens": 4, "ignore_eos": True})
+    assert isinstance(out, list) and len(out) == 2
+    assert [o["meta_info"]["id"] for o in out] == ["batch-a", "batch-b"]
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [len(PROMPT), 3]
+    assert all(len(o["output_ids"]) == 4 for o in out)
+
+
+def test_model_info_and_flush(engine) -> None:
+    status, info = http("GET", engine.url + "/model_info")
+    assert status == 200
+    assert info["model_path"] == engine.model_dir and info["is_generation"] is True
+    assert info["weight_version"] == "default"
+    status, _ = post(engine.url + "/flush_cache")
+    assert status == 200

@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: quickstart test test-unit test-distributed test-slow lock clean
+.PHONY: quickstart test test-unit test-distributed test-sglang lock clean
 
 $(STAMP): setup.py requirements/cpu-lock.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ test-unit: $(STAMP)
 
 test-distributed: $(STAMP)
 	$(PY) -m pytest tests/distributed -q
+
+# Slow tier (CI runs it after `make test`): the contract suite against real SGLang 0.5.23 on CPU,
+# installed once into .cache/sglang-venv (~5 min, ~3 GB) by tools/sglang_cpu/install.sh.
+test-sglang: $(STAMP)
+	bash tools/sglang_cpu/install.sh
+	MF_CONTRACT_BACKENDS=sglang $(PY) -m pytest tests/contract -q --durations=10
 
 lock: $(STAMP)
 	$(PY) -m pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu$$/torch==\1/' > requirements/cpu-lock.txt.new

@@ -401,7 +401,8 @@ class CpuEngine:
         need = self._kv_need(len(prompt_ids), spec.max_new_tokens)
         if rid in self._live or rid in self._kv_queue:
             raise ValueError(f"Duplicate request ID: {rid}")
-        stop_ids = spec.stop_token_ids | (frozenset() if spec.ignore_eos else self.eos_ids)
+        # As SGLang (_check_token_based_finish): ignore_eos turns off stop_token_ids as well as EOS.
+        stop_ids = frozenset() if spec.ignore_eos else spec.stop_token_ids | self.eos_ids
         req = _Request(rid=rid, prompt_ids=list(prompt_ids), spec=spec, stop_ids=stop_ids,
                        loop=asyncio.get_running_loop(), stream=stream)
         self._kv_queue[rid] = req  # abortable while it waits for KV (SGLang's waiting queue)

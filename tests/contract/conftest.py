@@ -55,6 +55,11 @@ class EngineServer:
             return "<no log>"
 
     def stop(self) -> None:
+        if self.backend == "sglang":  # SGLang has child processes: stop the whole process group
+            from tests.contract.sglang_backend import stop_sglang_server
+
+            stop_sglang_server(self.proc)
+            return
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

@@ -48,10 +48,16 @@ def test_max_new_tokens_and_stop_token(engine) -> None:
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
 
     full = generate(engine.url, PROMPT, sampling_params={**greedy, "max_new_tokens": 12})["output_ids"]
-    stop = full[3]
-    cut = full.index(stop) + 1
-    out = generate(engine.url, PROMPT, sampling_params={**greedy, "max_new_tokens": 12, "stop_token_ids": [stop]})
-    assert out["output_ids"] == full[:cut]  # the stop token is part of the output, as SGLang
+    # SGLang semantics: ignore_eos also turns off stop_token_ids (schedule_batch._check_token_based_finish).
+    out = generate(engine.url, PROMPT, sampling_params={**greedy, "max_new_tokens": 12, "stop_token_ids": [full[1]]})
+    assert out["output_ids"] == full and out["meta_info"]["finish_reason"]["type"] == "length"
+
+    natural = generate(engine.url, PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 12})["output_ids"]
+    stop = natural[1] if len(natural) > 1 else natural[0]
+    cut = natural.index(stop) + 1
+    out = generate(engine.url, PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 12,
+                                                        "stop_token_ids": [stop]})
+    assert out["output_ids"] == natural[:cut]  # the stop token is part of the output, as SGLang
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
 
 

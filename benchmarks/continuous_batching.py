@@ -1,6 +1,6 @@
 """Continuous batching vs static batches on the CPU engine server, long-tail response lengths.
 
-    python benchmarks/continuous_batching.py [--requests 96] [--batch 16] [--seed 0]
+    python benchmarks/continuous_batching.py [--requests 384] [--max-len 128] [--batch 16] [--seed 0]
 
 One CPU engine server (tiny model, 1 thread) serves the same requests twice:
   static      requests go in batches of --batch; the next batch starts only when the slowest request
@@ -66,11 +66,13 @@ async def run_mode(url: str, mode: str, prompts: list[list[int]], lens: list[int
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=96)
+    p.add_argument("--requests", type=int, default=384)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--max-len", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-path", default="")
+    p.add_argument("--num-blocks", type=int, default=256,
+                   help="CPU server KV blocks of 16 tokens: enough that --batch requests fit at once")
     args = p.parse_args()
     from megatron_flash.rollout.sglang_launcher import EngineLauncher
 
@@ -83,7 +85,8 @@ def main() -> int:
         rng = random.Random(args.seed + 1)
         prompts = [[rng.randrange(4, 40) for _ in range(5)] for _ in range(args.requests)]
         launcher = EngineLauncher(backend="cpu", model_path=model, num_engines=1, base_port=free_port(),
-                                  run_dir=os.path.join(tmp, "run"), startup_timeout_s=180)
+                                  run_dir=os.path.join(tmp, "run"), startup_timeout_s=180,
+                                  server_args={"num-blocks": args.num_blocks, "max-batch-tokens": 512})
         with launcher:
             url = launcher.urls[0]
             asyncio.run(run_mode(url, "continuous", prompts[:8], lens[:8], args.batch))  # warm-up

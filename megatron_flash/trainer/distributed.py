@@ -39,7 +39,8 @@ class Layout:
         return self.pp_rank == self.pp_size - 1
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (released before return; fine for rendezvous on one host)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -55,7 +56,7 @@ def init_distributed(*, tp_size: int, pp_size: int, seed: int, backend: str = "a
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python`: a world of one
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
+                              MASTER_PORT=str(free_port()))
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))

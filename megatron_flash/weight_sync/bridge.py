@@ -36,6 +36,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_flash.trainer.distributed import free_port
 from megatron_flash.trainer.hf_io import stage_hf_tensors
 from megatron_flash.weight_sync.process_group import new_weight_update_group
 
@@ -180,7 +181,7 @@ class WeightBridge:
         pp_rank = self.policy.layout.pp_rank
         name = f"mf_weights_pp{pp_rank}"
         if name not in self._groups:
-            port = _free_port()
+            port = free_port()
             world = 1 + len(self.urls)  # one engine rank per engine (engine TP 1 on the CPU path)
             results: list[Any] = []
             threads = []
@@ -229,14 +230,6 @@ class WeightBridge:
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors or len(results) != len(self.urls):
             raise WeightSyncError(f"weight sync (broadcast, group {name}): {errors or 'timeout'}")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def default_disk_dir(run_dir: str) -> str:

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import sys
 import tempfile
 import warnings
@@ -25,12 +24,6 @@ import warnings
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 warnings.filterwarnings("ignore")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:
@@ -52,7 +45,7 @@ def main() -> int:
     from megatron_flash.config.schema import OptimizerConfig
     from megatron_flash.rollout.engine_client import EngineClient
     from megatron_flash.rollout.sglang_launcher import EngineLauncher
-    from megatron_flash.trainer.distributed import destroy_distributed
+    from megatron_flash.trainer.distributed import destroy_distributed, free_port
     from megatron_flash.trainer.loss_adapter import nll_loss_fn
     from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
     from megatron_flash.weight_sync.bridge import WeightBridge
@@ -64,7 +57,7 @@ def main() -> int:
     launcher = None
     url = args.engine_url
     if rank0 and not url:
-        launcher = EngineLauncher(backend="cpu", model_path=args.model_path, base_port=_free_port(),
+        launcher = EngineLauncher(backend="cpu", model_path=args.model_path, base_port=free_port(),
                                   run_dir=tmp, startup_timeout_s=180)
         launcher.__enter__()
         url = launcher.urls[0]

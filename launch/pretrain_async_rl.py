@@ -32,7 +32,7 @@ Configs compose: --config may repeat (later files win), and overrides win over e
     python launch/pretrain_async_rl.py --config configs/quickstart_cpu.yaml \\
         --config configs/loss_tis.yaml async_rl.alpha=1
 
-Exit codes: 0 done, 2 bad command line or config, 3 training loop not available in this build.
+Exit codes: 0 done, 2 bad command line or config, 1 the run failed (the error says why).
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ if importlib.util.find_spec("megatron_flash") is None:  # run from a checkout, n
 from megatron_flash.config import ConfigError, RunConfig, config_to_yaml, load_config  # noqa: E402
 
 EXIT_CONFIG_ERROR = 2
-EXIT_NOT_AVAILABLE = 3
 
 
 def _is_local_leader() -> bool:
@@ -78,16 +77,8 @@ def run(cfg: RunConfig) -> int:
         if _is_local_leader():
             print(f"config error: loss: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    try:
-        from megatron_flash.controller import run as run_controller
-    except ModuleNotFoundError as err:
-        if err.name != "megatron_flash.controller":
-            raise  # the controller exists but something it imports is missing: show it
-        # PLACEHOLDER until the async pipeline lands: megatron_flash/controller.py provides run(cfg).
-        if _is_local_leader():
-            print("pretrain_async_rl: config is valid, but megatron_flash.controller is not in this "
-                  "build yet (training loop lands with the async pipeline)", file=sys.stderr)
-        return EXIT_NOT_AVAILABLE
+    from megatron_flash.controller import run as run_controller
+
     run_controller(cfg)
     return 0
 

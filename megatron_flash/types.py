@@ -24,6 +24,11 @@ class Sample:
     finished: bool = True
     version_start: int = 0  # policy version when generation started
     version_end: int = 0  # policy version that produced the last token
+    token_versions: Optional[list[int]] = None  # per response token, when generation spanned a push
+    prompt_index: int = -1  # the dataset item the prompt came from
+    finish_reason: str = "stop"  # stop | length (abort never reaches training)
+    reward_failed: bool = False
+    num_resumes: int = 0  # times generation was aborted at a push and resumed from its prefix
 
     def __post_init__(self) -> None:
         if len(self.behavior_logprobs) != len(self.response_ids):
@@ -31,6 +36,29 @@ class Sample:
                 f"sample has {len(self.response_ids)} response tokens but "
                 f"{len(self.behavior_logprobs)} behavior logprobs"
             )
+        if self.token_versions is not None and len(self.token_versions) != len(self.response_ids):
+            raise ValueError(f"sample has {len(self.response_ids)} response tokens but "
+                             f"{len(self.token_versions)} token versions")
+
+
+@dataclasses.dataclass
+class Group:
+    """The n responses to one prompt, finished and rewarded; the unit the buffer stores and the
+    trainer takes (group-relative advantages need the whole group)."""
+
+    group_id: int
+    prompt_index: int
+    samples: list[Sample]
+    version_start: int  # min over samples: staleness is counted from the oldest token
+    time_submitted: float = 0.0
+    time_finished: float = 0.0
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
 
 
 def collate(samples: Sequence[Sample], *, pad_id: int, advantages: Optional[torch.Tensor] = None,

@@ -389,10 +389,3 @@ def test_launcher_print_config_reloads_equal(tmp_path: Path) -> None:
 def test_launcher_malformed_override_exits_2() -> None:
     proc = _launch("--config", "configs/quickstart_cpu.yaml", "trainer.total_steps")
     assert proc.returncode == 2 and "'trainer.total_steps'" in _messages(proc.stderr)
-
-
-def test_launcher_without_controller_exits_3() -> None:
-    if (REPO_ROOT / "megatron_flash" / "controller.py").exists():
-        pytest.skip("the controller exists: running it is an e2e test, not a unit test")
-    proc = _launch("--config", "configs/quickstart_cpu.yaml")
-    assert proc.returncode == 3 and "controller" in _messages(proc.stderr)

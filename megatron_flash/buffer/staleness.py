@@ -1,0 +1,155 @@
+"""Staleness arithmetic of the asynchronous ratio α, in one small pure place.
+
+Definitions (ROLL Flash; ../shared/DESIGN.md):
+    version V      the policy version = number of weight pushes so far. Train step k runs at
+                   version V = k and its weight push produces version k + 1.
+    start v        the version at which a sample's generation started (its oldest token).
+    staleness      V − v at the step that trains the sample. Trainable iff V − v <= α.
+    B              samples per train step (one rollout batch).
+
+Admission control. The rollout side may have at most
+
+    capacity(V) = (V + α + 1) · B + extra − consumed − outstanding
+
+more samples started, where `consumed` counts samples the trainer has taken and `outstanding`
+counts samples started and not yet consumed or dropped (in flight + buffered). In steady state
+(the trainer has consumed V·B, nothing dropped) this is the familiar bound
+"in flight + buffered <= (α + 1) · B": every sample started at version V is consumed by step
+V + α at the latest, so nothing is generated only to be thrown away. `extra` (redundant prompts,
+in samples) deliberately over-admits; the surplus may turn stale and is then dropped or
+regenerated — and counted.
+
+Worked example, B = 4, α = 1, extra = 0:
+
+    event                                 V  consumed  outstanding  capacity
+    start                                 0      0          0       (0+2)·4 − 0 − 0 = 8   → start 8
+    trainer takes batch 0 (4 samples)     0      4          4       8 − 4 − 4 = 0
+    push → V = 1                          1      4          4       12 − 4 − 4 = 4        → start 4
+    trainer takes batch 1 (4, v=0)        1      8          4       12 − 8 − 4 = 0        (1 − 0 <= α ✓)
+    push → V = 2                          2      8          4       16 − 8 − 4 = 4
+
+With α = 0 the same table gives capacity 4 after each push and 0 in between: synchronous training.
+
+Expiry. Samples started at v must be trained by step v + α. Because at most (v + α + 1)·B were
+admitted up to version v and the trainer has consumed (v + α)·B before step v + α, the samples
+still in flight or buffered with start <= V − α number at most B: step V can always take all of
+them. So the trainer waits (only) for in-flight samples that would expire after this step and
+puts them first in the batch; newer samples fill the rest. With no redundant prompts nothing is
+then ever dropped as stale, whatever the latency tail.
+
+Eviction. At step V a buffered sample with V − v > α can never be trained again (V only grows):
+it is evicted (dropped or regenerated, config `async_rl.stale_policy`). Only over-admission
+(`extra`) or a resume makes that happen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+
+def staleness(version: int, version_start: int) -> int:
+    """How many pushes behind the current policy a sample started."""
+    return version - version_start
+
+
+def is_trainable(version: int, version_start: int, alpha: int) -> bool:
+    """May the step at `version` (producing version + 1) train a sample started at `version_start`?"""
+    return 0 <= version - version_start <= alpha
+
+
+def capacity(*, version: int, alpha: int, batch_size: int, extra: int, consumed: int, outstanding: int) -> int:
+    """Samples the rollout side may start now (negative = over-admitted, e.g. after drops)."""
+    return (version + alpha + 1) * batch_size + extra - consumed - outstanding
+
+
+@dataclasses.dataclass
+class StalenessCounters:
+    submitted: int = 0
+    consumed: int = 0
+    outstanding: int = 0
+    dropped_stale: int = 0
+    regenerated_stale: int = 0
+    dropped_filtered: int = 0
+    dropped_failed: int = 0
+    dropped_error: int = 0
+    cancelled: int = 0
+
+
+class StalenessManager:
+    """Thread-safe counters + the capacity rule. The rollout thread asks `try_admit`; the trainer
+    thread reports `on_consume`; anyone reports drops. Counts are in samples."""
+
+    def __init__(self, *, alpha: int, batch_size: int, extra: int = 0) -> None:
+        if alpha < 0 or batch_size < 1 or extra < 0:
+            raise ValueError(f"need alpha >= 0, batch_size >= 1, extra >= 0; got {alpha}, {batch_size}, {extra}")
+        self.alpha, self.batch_size, self.extra = alpha, batch_size, extra
+        self.counters = StalenessCounters()
+        self._lock = threading.Lock()
+        self._version = 0
+        self._in_flight: dict[int, int] = {}  # start version → samples admitted, not yet landed
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        with self._lock:
+            if version < self._version:
+                raise AssertionError(f"policy version went backwards: {self._version} → {version}")
+            self._version = version
+
+    def capacity(self) -> int:
+        c = self.counters
+        return capacity(version=self._version, alpha=self.alpha, batch_size=self.batch_size, extra=self.extra,
+                        consumed=c.consumed, outstanding=c.outstanding)
+
+    def try_admit(self, num_samples: int) -> int | None:
+        """Admit `num_samples` (one group) if capacity allows; returns the start version, else None.
+        Version read and admission happen under one lock, so a push cannot slip in between."""
+        with self._lock:
+            if self.capacity() < num_samples:
+                return None
+            self.counters.submitted += num_samples
+            self.counters.outstanding += num_samples
+            self._in_flight[self._version] = self._in_flight.get(self._version, 0) + num_samples
+            return self._version
+
+    def on_landed(self, version_start: int, num_samples: int) -> None:
+        """A group admitted at `version_start` left flight (buffered, filtered, failed, ...)."""
+        with self._lock:
+            left = self._in_flight.get(version_start, 0) - num_samples
+            assert left >= 0, (version_start, num_samples, self._in_flight)
+            if left:
+                self._in_flight[version_start] = left
+            else:
+                self._in_flight.pop(version_start, None)
+
+    def in_flight_through(self, version: int) -> int:
+        """Samples still being generated whose start version is <= `version`."""
+        with self._lock:
+            return sum(n for v, n in self._in_flight.items() if v <= version)
+
+    def on_consume(self, num_samples: int) -> None:
+        with self._lock:
+            self.counters.consumed += num_samples
+            self.counters.outstanding -= num_samples
+            assert self.counters.outstanding >= 0, self.counters
+
+    def on_drop(self, num_samples: int, *, reason: str) -> None:
+        """reason: stale | regenerated (stale, prompt re-queued) | filtered (no learning signal) |
+        failed (a reward raised) | error (engines failed the request; prompt re-queued) |
+        cancelled (in flight when the run stopped)."""
+        field = {"stale": "dropped_stale", "regenerated": "regenerated_stale", "filtered": "dropped_filtered",
+                 "failed": "dropped_failed", "error": "dropped_error", "cancelled": "cancelled"}[reason]
+        with self._lock:
+            self.counters.outstanding -= num_samples
+            setattr(self.counters, field, getattr(self.counters, field) + num_samples)
+            assert self.counters.outstanding >= 0, self.counters
+
+    def restore(self, *, version: int, consumed: int) -> None:
+        """Resume: the trainer had consumed `consumed` samples at `version`; nothing is in flight."""
+        with self._lock:
+            self._version = version
+            self._in_flight = {}
+            self.counters = StalenessCounters(consumed=consumed, submitted=consumed)

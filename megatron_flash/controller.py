@@ -1,0 +1,309 @@
+"""The asynchronous RL loop: Megatron trains while the rollout side keeps generating.
+
+    rank 0, rollout thread (asyncio)                         all ranks, main thread (Megatron)
+    ────────────────────────────────                         ─────────────────────────────────
+    dataset ─► admit group if capacity(V) ≥ n                 loop over steps k = V:
+       │        (waits only for capacity: a consume            batch ◄─ buffer.take_batch(B)
+       │         or a drop frees it)                              │ (rank 0 waits for B trainable
+       ▼                                                          │  samples; broadcast to ranks)
+    proxy ─► engines (HTTP; queue scheduling)                     ▼
+       │        ▲ paused only during the push                  proximal logprobs (if the loss
+       ▼        │                                               needs them) → advantages
+    reward the moment a response ends                            ▼
+       ▼                                                       epochs × mini-batches of the loss
+    group complete ─► filter ─► SampleBuffer ──────────────►     ▼
+                                                               push weights (pause → buckets →
+                                                               resume), V ← V + 1  (frees capacity)
+
+Who waits for whom: the rollout thread waits only for capacity (staleness.py: at most
+(α + 1)·B + extra samples in flight or buffered beyond what was consumed); the trainer waits only
+for a full batch of samples with V − start ≤ α (older ones are evicted: dropped or regenerated).
+Engines pause only while weights move. α = 0 degenerates to synchronous training.
+
+Modes (trainer.mode): full | rollout_only (groups dumped, nothing trained) | train_only (groups
+replayed from a dump, no engines).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_flash.buffer.sample_buffer import BufferClosed, SampleBuffer
+from megatron_flash.buffer.staleness import StalenessManager, staleness
+from megatron_flash.types import Group, collate
+
+logger = logging.getLogger(__name__)
+
+
+class Controller:
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.run_dir = cfg.logging.dir
+        self.mode = cfg.trainer.mode
+        t = cfg.trainer
+        self.batch_size = t.global_batch_size * t.num_mini_batches  # samples per train step
+        self.version = 0
+        self.policy: Any = None
+        self.runtime: Any = None
+        self.bridge: Any = None
+        self.tracker: Any = None
+        self.replay: list[Group] = []
+        self.rank = 0
+        self._ctrl_group: Any = None
+        self._totals: dict[str, float] = {}
+
+    # ================================================================== the loop (one screen)
+    def run(self) -> dict[str, Any]:
+        self.setup()
+        summary: dict[str, Any] = {}
+        error: Optional[BaseException] = None
+        try:
+            for step in range(self.cfg.trainer.total_steps):
+                t0 = time.monotonic()
+                groups = self.next_batch()                                # rank 0 waits on the buffer
+                t_wait = time.monotonic() - t0
+                batch = self.make_batch(groups)                           # advantages, π_prox
+                train_metrics = self.train(batch)                         # epochs × mini-batches
+                t_train = time.monotonic() - t0 - t_wait
+                sync_metrics = self.push_weights()                        # pause → send → resume; V += 1
+                summary = self.log(step, groups, batch, train_metrics, sync_metrics,
+                                   t_wait=t_wait, t_train=t_train, t_step=time.monotonic() - t0)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            self.shutdown(error)
+        return summary
+
+    # ================================================================== set-up / shutdown
+    def setup(self) -> None:
+        from megatron_flash.config import config_to_yaml
+
+        cfg = self.cfg
+        os.makedirs(self.run_dir, exist_ok=True)
+        torch.manual_seed(cfg.trainer.seed)
+        self.loss, self.loss_fn = _build_loss(cfg)
+        if self.mode != "rollout_only":
+            self.policy = _build_policy(cfg)
+            self.rank = self.policy.layout.rank
+            if self.policy.layout.world_size > 1:  # control messages (batches, stop) go over gloo
+                self._ctrl_group = dist.new_group(backend="gloo")
+        if self.rank == 0:
+            with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
+                f.write(config_to_yaml(cfg))
+        self.tokenizer = _tokenizer(cfg.model.hf_path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        from megatron_flash.tracking import Tracker
+
+        self.tracker = Tracker(self.run_dir, cfg.logging, total_steps=cfg.trainer.total_steps,
+                               config=_as_dict(cfg), rank=self.rank)
+        self.staleness = StalenessManager(alpha=cfg.async_rl.alpha, batch_size=self.batch_size,
+                                          extra=cfg.rollout.extra_prompts * cfg.rollout.n_samples_per_prompt)
+        if self.mode == "train_only":
+            from megatron_flash.rollout.runtime import read_group_dump
+
+            self.replay = read_group_dump(cfg.trainer.replay_path)
+            return
+        urls: list[str] = []
+        if self.rank == 0:
+            from megatron_flash.rollout.dataset import PromptDataset
+            from megatron_flash.rollout.runtime import RolloutRuntime
+
+            dataset = PromptDataset.from_config(cfg.data, self.tokenizer, seed=cfg.trainer.seed)
+            self.buffer = SampleBuffer(self.staleness, stale_policy=cfg.async_rl.stale_policy,
+                                       on_evict=self._on_evict)
+            self.runtime = RolloutRuntime(cfg, run_dir=self.run_dir, staleness=self.staleness, buffer=self.buffer,
+                                          dataset=dataset, model_path=cfg.model.hf_path,
+                                          decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+            urls = self.runtime.start()
+            logger.info("engines up: %s", urls)
+        urls = self._broadcast(urls)
+        if self.mode == "full":
+            from megatron_flash.weight_sync.bridge import WeightBridge, default_disk_dir
+
+            ws = cfg.weight_sync
+            self.bridge = WeightBridge(self.policy, urls, transport=ws.transport, bucket_mb=ws.bucket_mb,
+                                       pause_mode=cfg.rollout.pause_mode, api_key=cfg.engines.api_key,
+                                       disk_dir=default_disk_dir(self.run_dir))
+
+    def _on_evict(self, group: Group) -> None:
+        if self.cfg.async_rl.stale_policy == "regenerate" and self.runtime is not None:
+            self.runtime.requeue(group)
+
+    def shutdown(self, error: Optional[BaseException]) -> None:
+        if self.runtime is not None:
+            self.runtime.stop()
+        if error is None and self.policy is not None and self.cfg.checkpoint.save_hf_at_end:
+            out = os.path.join(self.cfg.checkpoint.save_dir or self.run_dir, "final_hf")
+            self.policy.export_hf(out)
+            if self.rank == 0:
+                logger.info("final HF checkpoint: %s", out)
+        if self.tracker is not None:
+            self.tracker.close()
+
+    # ================================================================== stages
+    def next_batch(self) -> list[Group]:
+        """Rank 0 takes B trainable samples (whole groups) from the buffer; every rank gets them."""
+        payload: Any = None
+        if self.rank == 0:
+            try:
+                if self.mode == "train_only":
+                    payload = self._replay_batch()
+                else:
+                    payload = self.buffer.take_batch(self.batch_size, timeout_s=self.cfg.async_rl.batch_timeout_s)
+            except (BufferClosed, TimeoutError) as e:
+                cause = e.__cause__ if isinstance(e, BufferClosed) and e.__cause__ is not None else e
+                payload = RuntimeError(f"no training batch at policy version {self.version}: {cause}")
+        payload = self._broadcast(payload)
+        if isinstance(payload, BaseException):
+            raise payload
+        return payload
+
+    def _replay_batch(self) -> list[Group]:
+        groups, total = [], 0
+        while total < self.batch_size:
+            if not self.replay:
+                raise BufferClosed(f"trainer.replay_path ran out of groups after step {self.version}")
+            g = self.replay.pop(0)
+            g.version_start = self.version  # replayed data is treated as on-policy for this step
+            groups.append(g)
+            total += len(g)
+        return groups
+
+    def make_batch(self, groups: list[Group]) -> dict[str, torch.Tensor]:
+        from megatron_flash.losses import compute_advantages
+
+        samples = [s for g in groups for s in g.samples]
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        group_ids = torch.tensor([s.group_id for s in samples], dtype=torch.long)
+        adv = compute_advantages(self.cfg.loss.advantage, rewards=rewards, group_ids=group_ids,
+                                 std_normalize=self.cfg.loss.advantage_std_normalize)
+        batch = collate(samples, pad_id=self.pad_id, advantages=adv,
+                        pad_to_multiple=self.cfg.parallel.tensor_model_parallel_size)
+        if self.mode == "rollout_only":
+            return batch
+        batch["staleness"] = torch.tensor([staleness(self.version, s.version_start) for s in samples])
+        if self.loss.needs_proximal:  # π_prox = the weights this step starts from (version V)
+            batch["proximal_logprobs"] = self.policy.compute_logprobs(batch)[0] * batch["loss_mask"]
+        return batch
+
+    def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        if self.mode == "rollout_only":
+            return {}
+        t, n = self.cfg.trainer, self.cfg.rollout.n_samples_per_prompt
+        size = t.global_batch_size
+        fields = {k: v for k, v in batch.items() if k != "staleness"}
+        rng = random.Random(t.seed * 1_000_003 + self.version)
+        sums: dict[str, float] = {}
+        count = 0
+        for _epoch in range(t.num_epochs):
+            # Mini-batches hold whole groups; their order is reshuffled each epoch (seeded).
+            groups = list(range(self.batch_size // n))
+            if t.num_mini_batches > 1:
+                rng.shuffle(groups)
+            order = torch.tensor([g * n + i for g in groups for i in range(n)])
+            for lo in range(0, self.batch_size, size):
+                idx = order[lo:lo + size]
+                metrics = self.policy.train_step({k: v[idx] for k, v in fields.items()}, self.loss_fn)
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                count += 1
+        return {f"train/{k}": v / count for k, v in sums.items()}
+
+    def push_weights(self) -> dict[str, float]:
+        """Send the new weights to every engine; V ← V + 1 (frees rollout capacity)."""
+        out: dict[str, float] = {}
+        t0 = time.monotonic()
+        if self.bridge is not None:
+            report = self.bridge.sync(self.version + 1)
+            out["sync_gb"] = report.bytes_sent / 1e9
+            diff = getattr(report, "max_abs_logprob_diff", None)
+            if diff is not None:
+                out["train_infer_logprob_diff"] = float(diff)
+        self.version += 1
+        if self.rank == 0:
+            self.staleness.set_version(self.version)
+        out["time_sync"] = time.monotonic() - t0
+        return out
+
+    # ================================================================== tracking
+    def log(self, step: int, groups: list[Group], batch: dict[str, torch.Tensor], train_metrics: dict[str, float],
+            sync_metrics: dict[str, float], *, t_wait: float, t_train: float, t_step: float) -> dict[str, Any]:
+        if self.rank != 0:
+            return {}
+        samples = [s for g in groups for s in g.samples]
+        lags = [self.version - 1 - s.version_start for s in samples]
+        c = self.staleness.counters
+        m: dict[str, Any] = {
+            "version": self.version,
+            "reward_mean": sum(s.reward for s in samples) / len(samples),
+            "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+            "staleness_mean": sum(lags) / len(lags), "staleness_max": max(lags),
+            "dropped_stale": c.dropped_stale, "regenerated_stale": c.regenerated_stale,
+            "dropped_filtered": c.dropped_filtered, "reward_failed": c.dropped_failed,
+            "time_rollout_wait": t_wait, "time_train": t_train, "time_step": t_step,
+            "samples_per_s": len(samples) / max(t_step, 1e-9),
+        }
+        if "proximal_logprobs" in batch and "train_infer_logprob_diff" not in sync_metrics:
+            fresh = (batch["staleness"] == 0).float()[:, None] * batch["loss_mask"]
+            if fresh.sum() > 0:  # same policy version on both sides: pure train/inference mismatch
+                d = (batch["proximal_logprobs"] - batch["behavior_logprobs"]).abs() * fresh
+                m["train_infer_logprob_diff"] = float(d.sum() / fresh.sum())
+        if self.runtime is not None:
+            stats, engine = self.runtime.take_metrics()
+            m.update(engine)
+            m["tokens_per_s"] = stats.tokens_generated / max(t_step, 1e-9)
+            m["rollout_resumes"] = stats.resumes
+            m["engine_errors"] = stats.engine_errors
+        m.update(sync_metrics)
+        m.update(train_metrics)
+        self.tracker.log(step, m)
+        return m
+
+    # ================================================================== plumbing
+    def _broadcast(self, obj: Any) -> Any:
+        if self._ctrl_group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._ctrl_group)
+        return box[0]
+
+
+def _build_loss(cfg: Any) -> tuple[Any, Any]:
+    from megatron_flash.trainer.loss_adapter import build_loss_fn
+
+    return build_loss_fn(cfg.loss)
+
+
+def _build_policy(cfg: Any) -> Any:
+    from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
+
+    settings = PolicySettings.from_run_config(cfg)
+    t = cfg.trainer
+    settings.total_steps = t.total_steps * t.num_epochs * t.num_mini_batches  # optimizer steps (LR schedule)
+    return MegatronPolicy(settings)
+
+
+def _tokenizer(path: str) -> Any:
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
+def _as_dict(cfg: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(cfg)
+
+
+def run(cfg: Any) -> dict[str, Any]:
+    """Entry used by launch/pretrain_async_rl.py."""
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
+    return Controller(cfg).run()

@@ -1,0 +1,196 @@
+"""The rollout side as one object the controller starts and stops: engines (launched or attached),
+the proxy, the scheduler and the reward pool, all on one asyncio loop in a background thread of
+rank 0. The trainer thread talks to it only through the SampleBuffer, the StalenessManager and the
+thread-safe methods here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+import os
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+from megatron_flash.buffer.sample_buffer import SampleBuffer
+from megatron_flash.buffer.staleness import StalenessManager
+from megatron_flash.rollout.scheduler import RolloutScheduler, RolloutStats, SchedulerSettings
+from megatron_flash.types import Group
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_filter(name: str) -> Callable[[Sequence[float]], bool]:
+    """A registered filter name, or "module:function" for a user filter."""
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"rollout.dynamic_filter={name!r} cannot be imported: {e}") from e
+    from megatron_flash.rollout.filters import get_filter
+
+    return get_filter(name)
+
+
+def sampling_params(rollout_cfg: Any) -> dict[str, Any]:
+    """Engine sampling params from the rollout section (SGLang names)."""
+    return {"temperature": rollout_cfg.temperature, "top_p": rollout_cfg.top_p, "top_k": rollout_cfg.top_k}
+
+
+class GroupDump:
+    """Finished groups as JSON lines (rollout-only mode, or rollout.dump_path): replayable."""
+
+    def __init__(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        self._f = open(path, "a")
+        self._lock = threading.Lock()
+
+    def write(self, group: Group) -> None:
+        record = {"group_id": group.group_id, "prompt_index": group.prompt_index,
+                  "version_start": group.version_start,
+                  "samples": [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids,
+                               "behavior_logprobs": s.behavior_logprobs, "reward": s.reward,
+                               "finished": s.finished, "finish_reason": s.finish_reason,
+                               "version_start": s.version_start, "version_end": s.version_end}
+                              for s in group.samples]}
+        with self._lock:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_group_dump(path: str) -> list[Group]:
+    """Groups written by GroupDump; a malformed line names the file and line number."""
+    from megatron_flash.types import Sample
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"trainer.replay_path: no such file {path!r}")
+    groups = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                samples = [Sample(group_id=rec["group_id"], prompt_index=rec["prompt_index"], **s)
+                           for s in rec["samples"]]
+                groups.append(Group(group_id=rec["group_id"], prompt_index=rec["prompt_index"], samples=samples,
+                                    version_start=rec["version_start"]))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: not a dumped group ({type(e).__name__}: {e})") from e
+    return groups
+
+
+class RolloutRuntime:
+    """Start with `start()` (blocks until engines are healthy), stop with `stop()`."""
+
+    def __init__(self, cfg: Any, *, run_dir: str, staleness: StalenessManager, buffer: SampleBuffer,
+                 dataset: Any, decode: Callable[[list[int]], str], model_path: str) -> None:
+        self.cfg, self.run_dir, self.staleness, self.buffer = cfg, run_dir, staleness, buffer
+        self.dataset, self.decode, self.model_path = dataset, decode, model_path
+        self.launcher: Any = None
+        self.urls: list[str] = []
+        self.scheduler: Optional[RolloutScheduler] = None
+        self.dump: Optional[GroupDump] = None
+        self._thread: Optional[threading.Thread] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._proxy: Any = None
+        self._ready = threading.Event()
+        self._error: Optional[BaseException] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> list[str]:
+        from megatron_flash.rollout.sglang_launcher import EngineLauncher
+
+        self.launcher = EngineLauncher.from_config(self.cfg.engines, model_path=self.model_path, run_dir=self.run_dir)
+        self.urls = self.launcher.start()
+        if self.cfg.rollout.dump_path or self.cfg.trainer.mode == "rollout_only":
+            self.dump = GroupDump(self.cfg.rollout.dump_path or os.path.join(self.run_dir, "groups.jsonl"))
+        self._thread = threading.Thread(target=self._thread_main, name="rollout", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            self.stop()
+            raise self._error
+        return self.urls
+
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:  # noqa: BLE001 - the buffer already carries it to the trainer
+            logger.error("rollout side stopped: %s", e)
+            self._error = e
+        finally:
+            self._ready.set()
+
+    async def _main(self) -> None:
+        from megatron_flash.rewards import RewardPool
+        from megatron_flash.rollout.proxy import LLMProxy
+
+        cfg = self.cfg
+        self._loop = asyncio.get_running_loop()
+        reward_pool = RewardPool(cfg.rollout.reward, num_workers=cfg.rollout.reward_workers)
+        try:
+            group_filter = resolve_filter(cfg.rollout.dynamic_filter)
+            async with LLMProxy.from_config(cfg.engines, self.urls) as proxy:
+                self._proxy = proxy
+                settings = SchedulerSettings(
+                    n_samples_per_prompt=cfg.rollout.n_samples_per_prompt, sampling_params=sampling_params(cfg.rollout),
+                    max_new_tokens=cfg.rollout.max_new_tokens, prompt_replication=cfg.rollout.prompt_replication,
+                    max_resumes=cfg.rollout.max_resumes, engine_down_deadline_s=cfg.async_rl.batch_timeout_s)
+                self.scheduler = RolloutScheduler(
+                    dataset=self.dataset, proxy=proxy, reward_pool=reward_pool, group_filter=group_filter,
+                    buffer=self.buffer, staleness=self.staleness, settings=settings, decode=self.decode)
+                if self.dump is not None:
+                    self.scheduler.on_group = self.dump.write
+                self._ready.set()
+                await self.scheduler.run()
+        finally:
+            reward_pool.close()
+
+    def stop(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        if self.launcher is not None:
+            self.launcher.stop()
+        if self.dump is not None:
+            self.dump.close()
+            self.dump = None
+
+    # ------------------------------------------------------------------ thread-safe views
+    def requeue(self, group: Group) -> None:
+        if self.scheduler is not None:
+            self.scheduler.requeue_prompt(group)
+
+    def take_metrics(self) -> tuple[RolloutStats, dict[str, float]]:
+        """This window's rollout counters and the proxy's engine metrics; starts a new window."""
+        if self._loop is None or self.scheduler is None or not self._loop.is_running():
+            return RolloutStats(), {}
+
+        async def snap() -> tuple[RolloutStats, dict[str, float]]:
+            stats = self.scheduler.stats.take()
+            m = self._proxy.metrics()
+            self._proxy.reset_metrics()
+            idle = [e.idle_fraction for e in m.engines if e.healthy]
+            out = {"engine_idle_frac": sum(idle) / len(idle) if idle else 1.0,
+                   "engines_healthy": float(sum(e.healthy for e in m.engines)), "proxy_retried": float(m.retried)}
+            return stats, out
+
+        try:
+            return asyncio.run_coroutine_threadsafe(snap(), self._loop).result(timeout=10)
+        except Exception as e:  # metrics must never stop training
+            logger.warning("rollout metrics unavailable: %s", e)
+            return RolloutStats(), {}
+
+    def wait_closed(self, timeout_s: float = 5.0) -> Optional[BaseException]:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        return self._error

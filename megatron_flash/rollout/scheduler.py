@@ -1,0 +1,301 @@
+"""The rollout side of the async loop: prompts → requests → rewards → groups → buffer. Never waits
+for training; only admission control (staleness.py) throttles it.
+
+    dataset ─► admission (capacity ≥ n) ─► group task ─┬─ n requests (prompt replication) ─┐
+                                                       └─ 1 request with n (replication off)┤
+                         proxy (queue scheduling: a request goes out the moment a slot frees) ◄┘
+    each response ─► reward, the moment it ends ─► group complete ─► filter ─► SampleBuffer.put
+
+Partial rollout at a weight push: with pause mode `abort` the engines end in-flight requests with
+their partial output; the sample's task resubmits prompt + generated prefix with the remaining
+budget (tokens keep their own versions). With `retract`/`in_place` requests simply finish after the
+push (their tokens span two versions; the sample's start version stays the older one).
+
+Prompts whose groups failed on engine errors, or turned stale under `stale_policy=regenerate`, go to
+the front of the prompt queue. Everything here runs in one asyncio loop (one thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Deque, Optional, Sequence
+
+from megatron_flash.buffer.sample_buffer import SampleBuffer
+from megatron_flash.buffer.staleness import StalenessManager
+from megatron_flash.types import Group, Sample
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutError(RuntimeError):
+    """The rollout side cannot go on (engines down past the deadline, a resume loop, ...)."""
+
+
+@dataclasses.dataclass
+class SchedulerSettings:
+    n_samples_per_prompt: int
+    sampling_params: dict[str, Any]
+    max_new_tokens: int
+    prompt_replication: bool = True
+    max_resumes: int = 16
+    engine_down_deadline_s: float = 120.0
+    """Stop the run when no request has succeeded for this long while requests keep failing."""
+
+
+@dataclasses.dataclass
+class RolloutStats:
+    """Counters since the last `take()` (a metrics window); only the loop thread writes them."""
+
+    requests: int = 0
+    tokens_generated: int = 0
+    resumes: int = 0
+    engine_errors: int = 0
+    reward_failures: int = 0
+    groups_finished: int = 0
+    groups_filtered: int = 0
+    group_latency_s: float = 0.0
+
+    def take(self) -> "RolloutStats":
+        snap = dataclasses.replace(self)
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, type(getattr(self, f.name))())
+        return snap
+
+
+class RolloutScheduler:
+    def __init__(self, *, dataset: Any, proxy: Any, reward_pool: Any, group_filter: Callable[[Sequence[float]], bool],
+                 buffer: SampleBuffer, staleness: StalenessManager, settings: SchedulerSettings,
+                 decode: Callable[[list[int]], str], poll_s: float = 0.005) -> None:
+        self.dataset, self.proxy, self.reward_pool = dataset, proxy, reward_pool
+        self.group_filter, self.buffer, self.staleness = group_filter, buffer, staleness
+        self.settings, self.decode, self.poll_s = settings, decode, poll_s
+        self.stats = RolloutStats()
+        self._requeued: Deque[Any] = collections.deque()
+        self._tasks: set[asyncio.Task] = set()
+        self._stopping = False
+        self._next_group_id = 0
+        self._last_success = time.monotonic()
+        self._failing_since: Optional[float] = None
+        self._fatal: Optional[BaseException] = None
+        self._wake: Optional[asyncio.Event] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.on_group: Optional[Callable[[Group], None]] = None  # e.g. a GroupDump, before the buffer
+
+    # ------------------------------------------------------------------ called from other threads
+    def requeue_prompt(self, group: Group, prompt: Any = None) -> None:
+        """Thread-safe: put a stale group's prompt back at the front of the queue."""
+        item = prompt if prompt is not None else getattr(group, "prompt", None)
+        if item is None:
+            return
+        if self._loop is not None and self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._requeued.appendleft, item)
+        else:
+            self._requeued.appendleft(item)
+
+    def stop(self) -> None:
+        """Thread-safe: stop admitting; the run loop aborts what is in flight and returns."""
+        self._stopping = True
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    # ------------------------------------------------------------------ the loop
+    async def run(self) -> None:
+        """Admit groups while capacity allows until stop(); closes the buffer on exit (with the
+        error, if one ended the loop)."""
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        n = self.settings.n_samples_per_prompt
+        error: Optional[BaseException] = None
+        try:
+            while not self._stopping:
+                if self._fatal is not None:
+                    raise self._fatal
+                version = self.staleness.try_admit(n)
+                if version is None:
+                    self._wake.clear()
+                    try:  # capacity frees on consume (other thread) or drop: poll briefly
+                        await asyncio.wait_for(self._wake.wait(), timeout=self.poll_s)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                prompt = self._requeued.popleft() if self._requeued else self.dataset.next_prompt()
+                group_id = self._next_group_id
+                self._next_group_id += 1
+                task = asyncio.create_task(self._run_group(prompt, group_id, version))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        except BaseException as e:  # noqa: BLE001 - reported through the buffer to the trainer
+            error = e
+        finally:
+            self._stopping = True
+            await self._drain()
+            self.buffer.close(error)
+        if error is not None and not isinstance(error, asyncio.CancelledError):
+            raise error
+
+    async def _drain(self) -> None:
+        if not self._tasks:
+            return
+        try:
+            await self.proxy.abort_all()
+        except Exception as e:  # engines may already be gone
+            logger.warning("abort_all at rollout stop failed: %s", e)
+        done, pending = await asyncio.wait(list(self._tasks), timeout=30)
+        for t in pending:
+            t.cancel()
+
+    # ------------------------------------------------------------------ one group
+    async def _run_group(self, prompt: Any, group_id: int, version: int) -> None:
+        try:
+            await self._run_group_inner(prompt, group_id, version)
+        finally:
+            self.staleness.on_landed(version, self.settings.n_samples_per_prompt)
+
+    async def _run_group_inner(self, prompt: Any, group_id: int, version: int) -> None:
+        n = self.settings.n_samples_per_prompt
+        t0 = time.monotonic()
+        try:
+            if self.settings.prompt_replication or n == 1:
+                samples = await asyncio.gather(*[self._run_sample(prompt, group_id, i, version) for i in range(n)])
+            else:
+                samples = await self._run_parallel(prompt, group_id, version)
+        except asyncio.CancelledError:
+            self.staleness.on_drop(n, reason="cancelled")
+            raise
+        except Exception as e:  # engine failure after the proxy's retries: re-queue the prompt
+            self.stats.engine_errors += 1
+            self.staleness.on_drop(n, reason="cancelled" if self._stopping else "error")
+            if not self._stopping:
+                logger.warning("group %d (prompt %s) failed: %s; prompt re-queued", group_id,
+                               getattr(prompt, "index", "?"), e)
+                self._requeued.appendleft(prompt)
+                self._note_failure(e)
+            return
+        if self._stopping or any(s is None for s in samples):
+            self.staleness.on_drop(n, reason="cancelled")
+            return
+        self._last_success = time.monotonic()
+        self._failing_since = None
+        if any(s.reward_failed for s in samples):
+            self.stats.reward_failures += sum(s.reward_failed for s in samples)
+            self.staleness.on_drop(n, reason="failed")
+            return
+        group = Group(group_id=group_id, prompt_index=getattr(prompt, "index", -1), samples=list(samples),
+                      version_start=min(s.version_start for s in samples), time_submitted=t0,
+                      time_finished=time.monotonic())
+        group.prompt = prompt  # type: ignore[attr-defined]  # for regeneration
+        self.stats.groups_finished += 1
+        self.stats.group_latency_s += group.time_finished - t0
+        if not self.group_filter(group.rewards):
+            self.stats.groups_filtered += 1
+            self.staleness.on_drop(n, reason="filtered")
+            return
+        if self.on_group is not None:
+            self.on_group(group)
+        self.buffer.put(group)
+
+    def _note_failure(self, error: BaseException) -> None:
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        if now - max(self._failing_since, self._last_success) > self.settings.engine_down_deadline_s:
+            self._fatal = RolloutError(
+                f"no rollout request succeeded for {self.settings.engine_down_deadline_s:.0f} s "
+                f"(engines down?); last error: {error}")
+
+    def _params(self, remaining: int) -> dict[str, Any]:
+        return {**self.settings.sampling_params, "max_new_tokens": remaining}
+
+    async def _run_sample(self, prompt: Any, group_id: int, index: int, version: int) -> Optional[Sample]:
+        """One response, resumed from its prefix when a push aborts it; rewarded the moment it ends."""
+        out = await self._generate_from(prompt, f"g{group_id}-s{index}", [], [], [], resumes=0)
+        return None if out is None else await self._finish(prompt, group_id, version, *out)
+
+    async def _generate_from(self, prompt: Any, base_rid: str, ids: list[int], logprobs: list[float],
+                             versions: list[Optional[int]], *, resumes: int):
+        """Generate (or continue) one response after `ids`; resubmit prompt + prefix after aborts.
+        Returns (ids, logprobs, versions, finish_reason, resumes), or None when the run is stopping."""
+        while True:
+            remaining = self.settings.max_new_tokens - len(ids)
+            if remaining <= 0:
+                return ids, logprobs, versions, "length", resumes
+            if resumes:
+                self.stats.resumes += 1
+                if resumes > self.settings.max_resumes:
+                    raise RolloutError(f"request {base_rid} was aborted {resumes} times without finishing")
+            seg_version = self.staleness.version
+            result = await self.proxy.generate(list(prompt.prompt_ids) + ids, self._params(remaining),
+                                               rid=f"{base_rid}-r{resumes}")
+            self.stats.requests += 1
+            self.stats.tokens_generated += len(result.output_ids)
+            ids = ids + list(result.output_ids)
+            logprobs = logprobs + list(result.output_logprobs or [])
+            versions = versions + _token_versions(result, seg_version)
+            if not result.aborted:
+                return ids, logprobs, versions, result.finish_reason, resumes
+            if self._stopping:
+                return None
+            resumes += 1
+
+    async def _run_parallel(self, prompt: Any, group_id: int, version: int) -> list[Optional[Sample]]:
+        """Replication off: one request asks for n samples (one engine serves the whole group)."""
+        n = self.settings.n_samples_per_prompt
+        seg_version = self.staleness.version
+        results = await self.proxy.generate_n(list(prompt.prompt_ids), self._params(self.settings.max_new_tokens),
+                                              n, rid=f"g{group_id}")
+        self.stats.requests += 1
+        self.stats.tokens_generated += sum(len(r.output_ids) for r in results)
+
+        async def one(i: int, r: Any) -> Optional[Sample]:
+            ids, lps, vs = list(r.output_ids), list(r.output_logprobs or []), _token_versions(r, seg_version)
+            if not r.aborted:
+                return await self._finish(prompt, group_id, version, ids, lps, vs, r.finish_reason, 0)
+            if self._stopping:
+                return None
+            # A push with pause mode abort: this sample goes on alone from its prefix.
+            out = await self._generate_from(prompt, f"g{group_id}-s{i}", ids, lps, vs, resumes=1)
+            return None if out is None else await self._finish(prompt, group_id, version, *out)
+
+        return list(await asyncio.gather(*[one(i, r) for i, r in enumerate(results)]))
+
+    async def _finish(self, prompt: Any, group_id: int, version: int, ids: list[int], logprobs: list[float],
+                      versions: list[Optional[int]], finish: str, resumes: int) -> Sample:
+        finished = finish == "stop"
+        outcome = await self.reward_pool.score(self.decode(ids), prompt.answer, finished=finished,
+                                               prompt=prompt.text, meta=getattr(prompt, "meta", None))
+        known = [v for v in versions if v is not None]
+        token_versions = versions if len(known) == len(versions) and len(set(known)) > 1 else None
+        return Sample(prompt_ids=list(prompt.prompt_ids), response_ids=ids, behavior_logprobs=logprobs,
+                      reward=float(outcome.reward), group_id=group_id, finished=finished, version_start=version,
+                      version_end=max(known) if known else self.staleness.version, token_versions=token_versions,
+                      prompt_index=getattr(prompt, "index", -1), finish_reason=finish,
+                      reward_failed=bool(outcome.failed), num_resumes=resumes)
+
+
+def _token_versions(result: Any, seg_version: int) -> list[Optional[int]]:
+    """Per-token policy versions of one reply: the engine's spans when it reports them; a single
+    version when the segment provably saw one (the engine's version equals the one at submission);
+    None (unknown) for tokens of a segment that spanned a push without spans."""
+    n = len(result.output_ids)
+    spans = getattr(result, "weight_version_spans", None)
+    if spans:
+        out: list[Optional[int]] = []
+        for span in spans:
+            out += [_as_int(span.version)] * (span.end - span.start)
+        if len(out) == n:
+            return out
+    end = _as_int(getattr(result, "weight_version", None))
+    if end is None or end == seg_version:
+        return [seg_version] * n
+    return [None] * n
+
+
+def _as_int(value: Any) -> Optional[int]:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,115 @@
+"""Staleness arithmetic and the versioned buffer (pure; no engines, no Megatron)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from megatron_flash.buffer.sample_buffer import BufferClosed, SampleBuffer
+from megatron_flash.buffer.staleness import StalenessManager, capacity, is_trainable
+from megatron_flash.types import Group, Sample
+
+
+def group(gid: int, start: int, n: int = 2, t: float = 0.0) -> Group:
+    samples = [Sample([1], [2], [-0.1], group_id=gid, version_start=start) for _ in range(n)]
+    return Group(group_id=gid, prompt_index=gid, samples=samples, version_start=start, time_finished=t)
+
+
+def test_worked_example_of_the_docstring() -> None:
+    # B = 4, alpha = 1: the table in megatron_flash/buffer/staleness.py, recomputed by hand here.
+    m = StalenessManager(alpha=1, batch_size=4)
+    assert m.capacity() == 8
+    for _ in range(4):
+        assert m.try_admit(2) == 0
+    assert m.try_admit(2) is None  # 8 outstanding: full
+    m.on_consume(4)
+    assert m.capacity() == 0
+    m.set_version(1)
+    assert m.capacity() == 4
+    assert m.try_admit(2) == 1 and m.try_admit(2) == 1 and m.try_admit(2) is None
+    m.on_consume(4)  # batch 1: the 4 started at v=0, 1 - 0 <= alpha
+    m.set_version(2)
+    assert m.capacity() == 4
+
+
+@pytest.mark.parametrize("alpha", [0, 1, 2, 5])
+def test_steady_state_bound_is_alpha_plus_one_batches(alpha: int) -> None:
+    b = 8
+    m = StalenessManager(alpha=alpha, batch_size=b)
+    for version in range(20):
+        m.set_version(version)
+        while m.try_admit(1) is not None:
+            pass
+        assert m.counters.outstanding == (alpha + 1) * b  # in flight + buffered, never more
+        m.on_consume(b)
+
+
+def test_extra_prompts_over_admit_and_drops_free_capacity() -> None:
+    m = StalenessManager(alpha=0, batch_size=4, extra=2)
+    assert capacity(version=0, alpha=0, batch_size=4, extra=2, consumed=0, outstanding=0) == 6
+    assert m.try_admit(6) == 0 and m.try_admit(1) is None
+    m.on_drop(2, reason="filtered")
+    assert m.capacity() == 2 and m.counters.dropped_filtered == 2
+
+
+def test_is_trainable_table() -> None:
+    # (version, start, alpha) -> trainable, from the definition V - v <= alpha (and v <= V)
+    cases = {(0, 0, 0): True, (1, 0, 0): False, (3, 1, 2): True, (4, 1, 2): False, (2, 3, 2): False}
+    for (v, s, a), expected in cases.items():
+        assert is_trainable(v, s, a) is expected, (v, s, a)
+
+
+def test_version_cannot_go_backwards() -> None:
+    m = StalenessManager(alpha=1, batch_size=2)
+    m.set_version(3)
+    with pytest.raises(AssertionError):
+        m.set_version(2)
+
+
+def test_bad_arguments_name_the_value() -> None:
+    with pytest.raises(ValueError, match="alpha >= 0"):
+        StalenessManager(alpha=-1, batch_size=2)
+
+
+def test_buffer_takes_oldest_whole_groups_and_evicts_stale() -> None:
+    m = StalenessManager(alpha=1, batch_size=4)
+    evicted: list[int] = []
+    buf = SampleBuffer(m, stale_policy="regenerate", on_evict=lambda g: evicted.append(g.group_id))
+    for gid, start in [(0, 0), (1, 2), (2, 1), (3, 2)]:
+        buf.put(group(gid, start, t=gid))
+    m.counters.outstanding = 8
+    m.set_version(2)  # group 0 (start 0): 2 - 0 > 1, can never train again
+    batch = buf.take_batch(4, timeout_s=1)
+    assert [g.group_id for g in batch] == [2, 1]  # start 1 before start 2, then finish time
+    assert evicted == [0] and m.counters.regenerated_stale == 2
+    assert m.counters.consumed == 4 and m.counters.outstanding == 2
+    assert buf.num_groups() == 1
+
+
+def test_buffer_waits_for_a_full_batch_then_returns() -> None:
+    m = StalenessManager(alpha=0, batch_size=4)
+    m.counters.outstanding = 4
+    buf = SampleBuffer(m)
+    buf.put(group(0, 0))
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(buf.take_batch(4, timeout_s=5, poll_s=0.01)))
+    t.start()
+    time.sleep(0.1)
+    assert not out  # 2 of 4 samples: still waiting
+    buf.put(group(1, 0))
+    t.join(5)
+    assert [g.group_id for g in out[0]] == [0, 1]
+
+
+def test_buffer_timeout_and_close_are_errors_with_the_count() -> None:
+    m = StalenessManager(alpha=0, batch_size=4)
+    buf = SampleBuffer(m)
+    buf.put(group(0, 0))
+    with pytest.raises(TimeoutError, match="2 buffered"):
+        buf.take_batch(4, timeout_s=0.05, poll_s=0.01)
+    buf.close(RuntimeError("engines down"))
+    with pytest.raises(BufferClosed) as info:
+        buf.take_batch(4, timeout_s=1)
+    assert "engines down" in str(info.value.__cause__)

@@ -23,7 +23,8 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 ADVANTAGES = ("grpo", "rloo", "reinforce")
 KL_ESTIMATORS = ("k1", "k3")
-DYNAMIC_FILTERS = ("none", "nonzero_std")
+DYNAMIC_FILTERS = ("none", "nonzero_std")  # built-ins; "module:function" names a user filter
+RUN_MODES = ("full", "rollout_only", "train_only")
 PAUSE_MODES = ("abort", "retract", "in_place")
 STALE_POLICIES = ("drop", "regenerate")
 ENGINE_BACKENDS = ("cpu", "sglang", "attach")
@@ -142,6 +143,12 @@ class TrainerConfig(_Section):
     """Seed for model init, data order and sampling."""
     max_seq_len: int = 512
     """Longest prompt + response the trainer accepts, in tokens."""
+    mode: str = "full"
+    """full (rollout + training, asynchronously) | rollout_only (generate, reward and dump groups to
+    rollout.dump_path; no training) | train_only (train on groups replayed from trainer.replay_path;
+    no engines)."""
+    replay_path: str = ""
+    """Groups dumped by a rollout_only run (jsonl), replayed when trainer.mode=train_only."""
 
     def validate(self) -> None:
         for name in ("total_steps", "micro_batch_size", "global_batch_size", "num_epochs",
@@ -151,6 +158,9 @@ class TrainerConfig(_Section):
         self._at_least("max_seq_len", 2)
         self._require(self.global_batch_size % self.micro_batch_size == 0, "global_batch_size",
                       f"must be divisible by trainer.micro_batch_size={self.micro_batch_size}")
+        self._one_of("mode", RUN_MODES)
+        if self.mode == "train_only":
+            self._require(bool(self.replay_path), "replay_path", "must be set when trainer.mode=train_only")
 
 
 @dataclass
@@ -245,12 +255,20 @@ class RolloutConfig(_Section):
     extra_prompts: int = 0
     """Redundant prompts kept in flight beyond what the batch needs (surplus carried over)."""
     dynamic_filter: str = "none"
-    """Group filter: none | nonzero_std (drop groups whose rewards are all equal)."""
+    """Group filter: none | nonzero_std (drop groups whose rewards are all equal) | "module:function"
+    (your `fn(rewards) -> keep`, imported at start)."""
     pause_mode: str = "retract"
     """How engines pause for a weight update: abort (drop in-flight requests) | retract (requeue
     them, recompute KV after) | in_place (keep KV; tokens span two policy versions)."""
     reward: str = "exact_match"
-    """Registered reward function name."""
+    """Registered reward function name (exact_match, math, yours), or "module:function"."""
+    reward_workers: int = 0
+    """Processes scoring rewards off the rollout loop (CPU-heavy rewards such as math); 0 = inline."""
+    dump_path: str = ""
+    """Append every finished group as one JSON line here (always in trainer.mode=rollout_only)."""
+    max_resumes: int = 16
+    """Times one response may be aborted by weight pushes (pause_mode=abort) and resumed from its
+    prefix before the run stops with an error."""
 
     def validate(self) -> None:
         self._at_least("n_samples_per_prompt", 1)
@@ -259,9 +277,12 @@ class RolloutConfig(_Section):
         self._require(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (disabled) or >= 1")
         self._at_least("max_new_tokens", 1)
         self._at_least("extra_prompts", 0)
-        self._one_of("dynamic_filter", DYNAMIC_FILTERS)
+        if ":" not in self.dynamic_filter:  # "module:function" names a user filter, imported at start
+            self._one_of("dynamic_filter", DYNAMIC_FILTERS)
         self._one_of("pause_mode", PAUSE_MODES)
         self._require(bool(self.reward), "reward", "must be a non-empty reward name")
+        self._at_least("reward_workers", 0)
+        self._at_least("max_resumes", 0)
 
 
 @dataclass
@@ -273,10 +294,14 @@ class AsyncConfig(_Section):
     generation started at v with V − v <= alpha); 0 = synchronous."""
     stale_policy: str = "drop"
     """What happens to a sample that exceeds alpha: drop | regenerate (re-queue its prompt)."""
+    batch_timeout_s: float = 600.0
+    """The trainer stops with an error (after saving what it can) when no full batch arrives for
+    this long; also the deadline after which failing engines end the run."""
 
     def validate(self) -> None:
         self._at_least("alpha", 0)
         self._one_of("stale_policy", STALE_POLICIES)
+        self._positive("batch_timeout_s")
 
 
 @dataclass
@@ -384,11 +409,18 @@ class DataConfig(_Section):
     """Prompts to use from the dataset; 0 = all (synthetic tasks: their default size)."""
     shuffle: bool = True
     """Shuffle prompt order each epoch (seeded by trainer.seed)."""
+    apply_chat_template: bool = False
+    """Wrap each prompt as one user message in the tokenizer's chat template (with the generation
+    prompt) before tokenizing; false = tokenize the raw prompt text."""
+    max_prompt_len: int = 0
+    """Longest prompt kept, in tokens (after the chat template); longer ones are skipped and
+    counted. 0 = no limit."""
 
     def validate(self) -> None:
         self._require(bool(self.prompt_key), "prompt_key", "must be non-empty")
         self._require(bool(self.answer_key), "answer_key", "must be non-empty")
         self._at_least("num_samples", 0)
+        self._at_least("max_prompt_len", 0)
 
 
 @dataclass

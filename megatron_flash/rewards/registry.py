@@ -1,0 +1,318 @@
+"""Reward functions by name, and a pool that scores responses off the rollout's asyncio loop.
+
+A reward function scores one finished response::
+
+    fn(response_text: str, answer: str, *, finished: bool, prompt: str = "", meta: dict | None = None) -> float
+
+``finished`` is False when the response was cut at ``rollout.max_new_tokens`` (no end token).
+``prompt`` is the source prompt text and ``meta`` the dataset row's other fields. Built-ins:
+
+  exact_match  1.0 iff finished and the text equals the answer (synthetic tasks)
+  math         1.0 iff finished and math-verify finds the response's final answer equal to the gold
+               one ("\\boxed{1/2}" vs "0.5"); math_verify is imported on first use only
+
+Your own reward, either way:
+
+  * register it by name in a module that is imported before the run starts, and set
+    ``rollout.reward=my_reward``::
+
+        from megatron_flash.rewards import register_reward
+
+        @register_reward("my_reward")
+        def my_reward(response_text, answer, *, finished, prompt="", meta=None):
+            return float(finished and answer in response_text)
+
+  * or set ``rollout.reward="my_package.my_module:my_reward"``: the module is imported wherever
+    the reward runs. With ``rollout.reward_workers > 0`` rewards run in *spawned* processes that
+    start from a fresh interpreter and look the reward up by name, so a reward registered only in a
+    script's ``if __name__ == "__main__":`` block (or in a notebook) does not exist there; the
+    ``"module:function"`` form always works.
+
+``RewardPool(name, num_workers=...)`` turns the function into ``await pool.score(...)``, which
+never raises for a bad reward: an exception, a non-number or non-finite result, or a timeout gives
+``RewardOutcome(reward=0.0, failed=True, error=...)`` and the caller counts the failed sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import importlib
+import math
+import multiprocessing
+import numbers
+import os
+import queue
+import signal
+import threading
+import time
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Callable, Optional, Protocol
+
+
+class RewardFn(Protocol):
+    def __call__(self, response_text: str, answer: str, *, finished: bool, prompt: str = "",
+                 meta: Optional[dict] = None) -> float: ...
+
+
+_REWARDS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator registering a reward function under ``name`` (new, non-empty, without ':')."""
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"reward name must be a non-empty string without ':', got {name!r}")
+
+    def decorate(fn: RewardFn) -> RewardFn:
+        if name in _REWARDS:
+            raise ValueError(f"reward {name!r} is already registered")
+        _REWARDS[name] = fn
+        return fn
+
+    return decorate
+
+
+def get_reward(name: str) -> RewardFn:
+    """The reward registered as ``name``, or the function named by ``"module:function"``."""
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"reward {name!r}: cannot import {attr!r} from {module_name!r}: {e}") from e
+        if not callable(fn):
+            raise ValueError(f"reward {name!r} is not callable")
+        return fn
+    if name not in _REWARDS:
+        raise ValueError(f"unknown reward {name!r}; known: {', '.join(list_rewards())} "
+                         "(or \"module:function\")")
+    return _REWARDS[name]
+
+
+def list_rewards() -> list[str]:
+    return sorted(_REWARDS)
+
+
+# ----------------------------------------------------------------------------------------- built-ins
+
+@register_reward("exact_match")
+def exact_match(response_text: str, answer: str, *, finished: bool, prompt: str = "",
+                meta: Optional[dict] = None) -> float:
+    from megatron_flash.rewards.synthetic import exact_match_reward
+
+    return exact_match_reward(response_text, answer, finished=finished)
+
+
+MATH_TIMEOUT_S = 5
+"""math-verify's own limit per parse/comparison, in seconds (main thread only, see math_reward)."""
+
+
+@register_reward("math")
+def math_reward(response_text: str, answer: str, *, finished: bool, prompt: str = "",
+                meta: Optional[dict] = None) -> float:
+    """1.0 iff the response is finished and math-verify judges its answer equal to ``answer``.
+
+    math-verify bounds parsing and comparison with ``signal.alarm``, which exists only in the main
+    thread; elsewhere it raises ValueError. So the limits are on in a main thread (an inline pool
+    called from the main thread, or a RewardPool worker process, which runs tasks in its main
+    thread) and off in other threads, where only the pool's post-hoc timeout applies.
+    """
+    if not finished:
+        return 0.0  # a truncated response has no final answer, whatever it contains
+    from math_verify import parse, verify
+
+    limit = MATH_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    gold = parse(_as_latex(answer), parsing_timeout=limit)
+    if not gold:
+        raise ValueError(f"cannot parse the gold answer {answer!r}")
+    predicted = parse(response_text, parsing_timeout=limit)
+    return 1.0 if verify(gold, predicted, timeout_seconds=limit) else 0.0
+
+
+def _as_latex(answer: str) -> str:
+    # Without math delimiters math-verify reads only a plain expression: "2\sqrt{2}" parses as 2.
+    if any(mark in answer for mark in ("$", "\\boxed", "\\(", "\\[")):
+        return answer
+    return f"${answer}$"
+
+
+# -------------------------------------------------------------------------------------------- pool
+
+@dataclasses.dataclass
+class RewardOutcome:
+    reward: float
+    failed: bool
+    error: str = ""
+
+
+def _call(fn: RewardFn, name: str, response_text: str, answer: str, finished: bool, prompt: str,
+          meta: Optional[dict]) -> RewardOutcome:
+    try:
+        value: Any = fn(response_text, answer, finished=finished, prompt=prompt, meta=meta)
+    except Exception as e:
+        return RewardOutcome(0.0, True, f"reward {name!r} raised {type(e).__name__}: {e}")
+    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        return RewardOutcome(0.0, True, f"reward {name!r} returned {value!r} ({type(value).__name__}); "
+                                        "expected a finite number")
+    return RewardOutcome(float(value), False)
+
+
+def _worker_ready(name: str) -> int:
+    try:
+        get_reward(name)  # import the reward's module now, not inside the first sample's time limit
+    except ValueError:
+        pass  # keep the process: each sample reports the error (see _worker_score)
+    return os.getpid()
+
+
+def _worker_score(name: str, response_text: str, answer: str, finished: bool, prompt: str,
+                  meta: Optional[dict]) -> RewardOutcome:
+    try:
+        fn = get_reward(name)
+    except ValueError as e:
+        return RewardOutcome(0.0, True, f"reward {name!r} is not known in the worker process: {e}")
+    return _call(fn, name, response_text, answer, finished, prompt, meta)
+
+
+class _Worker:
+    """One spawned process in its own single-process executor, so a hung reward can be killed
+    (and the process replaced) without touching the samples other workers are scoring."""
+
+    def __init__(self) -> None:
+        self.executor: Optional[concurrent.futures.ProcessPoolExecutor] = None
+        self.pid = 0
+
+    def start(self, name: str, *, timeout_s: float) -> None:
+        self.executor = concurrent.futures.ProcessPoolExecutor(
+            max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        self.pid = self.executor.submit(_worker_ready, name).result(timeout=timeout_s)
+
+    def stop(self, *, kill: bool) -> None:
+        if self.executor is None:
+            return
+        if kill and self.pid:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.executor, self.pid = None, 0
+
+
+class RewardPool:
+    """Scores responses with the reward named ``name`` (see ``get_reward``) for asyncio callers.
+
+    ``num_workers == 0``: the reward runs inline in the calling thread (it blocks the event loop
+    for its duration; fine for cheap rewards such as exact_match). A slow call cannot be
+    interrupted there; one that took longer than ``timeout_s`` is still reported as failed.
+    ``num_workers > 0``: that many spawned processes (see the module docstring on how they find
+    user rewards), started in the background at construction; a call that runs past
+    ``timeout_s`` is failed and its process killed (a fresh one starts when next needed, outside
+    any sample's time limit).
+
+    ``num_scored`` counts finished ``score`` calls (failed ones included), ``num_failed`` the
+    failed ones. Call ``close()`` (or use ``with``) to stop the processes.
+    """
+
+    STARTUP_TIMEOUT_S = 120.0
+    """Limit for spawning a worker and importing its reward (outside the per-sample timeout)."""
+
+    def __init__(self, name: str, *, num_workers: int = 0, timeout_s: float = 30.0) -> None:
+        if num_workers < 0:
+            raise ValueError(f"RewardPool num_workers must be >= 0, got {num_workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"RewardPool timeout_s must be > 0, got {timeout_s}")
+        self.name = name
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self.num_scored = 0
+        self.num_failed = 0
+        self._fn = get_reward(name)  # unknown names fail here, in the caller
+        self._lock = threading.Lock()
+        self._closed = False
+        self._threads: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._idle: "queue.Queue[_Worker]" = queue.Queue()
+        self._workers = [_Worker() for _ in range(num_workers)]
+        if num_workers:
+            # One waiting thread per process: a thread hands a sample to an idle process and
+            # waits for it with a deadline, so the asyncio loop never blocks and never polls.
+            self._threads = concurrent.futures.ThreadPoolExecutor(num_workers, thread_name_prefix="reward")
+            for worker in self._workers:
+                self._threads.submit(self._warm_up, worker)
+
+    async def score(self, response_text: str, answer: str, *, finished: bool, prompt: str = "",
+                    meta: Optional[dict] = None) -> RewardOutcome:
+        """Score one response; never raises for a failing reward (see ``RewardOutcome``)."""
+        if self._closed:
+            raise RuntimeError(f"RewardPool({self.name!r}) is closed")
+        args = (response_text, answer, finished, prompt, meta)
+        if self._threads is None:
+            outcome = self._score_inline(*args)
+        else:
+            outcome = await asyncio.wrap_future(self._threads.submit(self._score_in_worker, *args))
+        with self._lock:
+            self.num_scored += 1
+            self.num_failed += outcome.failed
+        return outcome
+
+    def close(self) -> None:
+        """Wait for the samples being scored (at most ``timeout_s``), then stop the processes."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._threads is not None:
+            self._threads.shutdown(wait=True)
+        for worker in self._workers:
+            worker.stop(kill=False)
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _score_inline(self, *args: Any) -> RewardOutcome:
+        start = time.monotonic()
+        outcome = _call(self._fn, self.name, *args)
+        elapsed = time.monotonic() - start
+        if elapsed > self.timeout_s:
+            return RewardOutcome(0.0, True, f"reward {self.name!r} timed out: took {elapsed:.1f} s "
+                                            f"> {self.timeout_s} s (inline; result discarded)")
+        return outcome
+
+    def _warm_up(self, worker: _Worker) -> None:
+        try:
+            worker.start(self.name, timeout_s=self.STARTUP_TIMEOUT_S)
+        except Exception:
+            worker.stop(kill=True)  # retried (and the error reported) when a sample needs it
+        finally:
+            self._idle.put(worker)
+
+    def _score_in_worker(self, *args: Any) -> RewardOutcome:
+        worker = self._idle.get()  # never waits long: one thread per worker
+        try:
+            if worker.executor is None:
+                try:
+                    worker.start(self.name, timeout_s=self.STARTUP_TIMEOUT_S)
+                except Exception as e:
+                    worker.stop(kill=True)
+                    return RewardOutcome(0.0, True, f"reward {self.name!r}: worker process failed to "
+                                                    f"start: {type(e).__name__}: {e}")
+            assert worker.executor is not None
+            future = worker.executor.submit(_worker_score, self.name, *args)
+            try:
+                return future.result(timeout=self.timeout_s)
+            except concurrent.futures.TimeoutError:
+                worker.stop(kill=True)
+                return RewardOutcome(0.0, True, f"reward {self.name!r} timed out after {self.timeout_s} s "
+                                                "(worker process killed and replaced)")
+            except BrokenProcessPool as e:
+                worker.stop(kill=True)
+                return RewardOutcome(0.0, True, f"reward {self.name!r}: worker process died "
+                                                f"({type(e).__name__}: {e})")
+            except Exception as e:  # e.g. meta that cannot be pickled
+                return RewardOutcome(0.0, True, f"reward {self.name!r}: could not run in a worker: "
+                                                f"{type(e).__name__}: {e}")
+        finally:
+            self._idle.put(worker)

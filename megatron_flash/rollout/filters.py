@@ -1,0 +1,76 @@
+"""Dynamic filtering: decide per finished group (all n responses of one prompt) whether it trains.
+
+A filter is ``fn(rewards: Sequence[float]) -> bool`` (True = keep the group), picked by
+``rollout.dynamic_filter``. Built-ins:
+
+  none         keep every group
+  nonzero_std  drop a group whose rewards are all equal: its group-relative advantages are all
+               zero, so it adds no gradient, only cost (DAPO's dynamic sampling)
+
+Your own filter: register it at import of your module, or name it as "module:function"::
+
+    from megatron_flash.rollout.filters import register_filter
+
+    @register_filter("some_correct")
+    def some_correct(rewards):          # keep groups where at least one response succeeded
+        return max(rewards) > 0
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Sequence
+
+FilterFn = Callable[[Sequence[float]], bool]
+
+# Rewards closer than this count as equal: a spread of 1e-17 (0.1 + 0.2 vs 0.3) has no signal, and
+# dividing by such a std in GRPO normalisation would blow the advantages up.
+EQUAL_TOLERANCE = 1e-9
+
+_FILTERS: dict[str, FilterFn] = {}
+
+
+def register_filter(name: str) -> Callable[[FilterFn], FilterFn]:
+    """Decorator registering ``fn(rewards) -> keep`` under ``name`` (a new, non-empty name without ':')."""
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"filter name must be a non-empty string without ':', got {name!r}")
+
+    def decorate(fn: FilterFn) -> FilterFn:
+        if name in _FILTERS:
+            raise ValueError(f"filter {name!r} is already registered")
+        _FILTERS[name] = fn
+        return fn
+
+    return decorate
+
+
+def get_filter(name: str) -> FilterFn:
+    """The filter registered as ``name``, or the function named by ``"module:function"``."""
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"filter {name!r}: cannot import {attr!r} from {module_name!r}: {e}") from e
+        if not callable(fn):
+            raise ValueError(f"filter {name!r} is not callable")
+        return fn
+    if name not in _FILTERS:
+        raise ValueError(f"unknown dynamic filter {name!r}; known: {', '.join(list_filters())} "
+                         "(or \"module:function\")")
+    return _FILTERS[name]
+
+
+def list_filters() -> list[str]:
+    return sorted(_FILTERS)
+
+
+@register_filter("none")
+def keep_all(rewards: Sequence[float]) -> bool:
+    return True
+
+
+@register_filter("nonzero_std")
+def nonzero_std(rewards: Sequence[float]) -> bool:
+    """Keep a group only if its rewards differ (an empty or one-sample group has no spread)."""
+    return len(rewards) > 1 and max(rewards) - min(rewards) > EQUAL_TOLERANCE

@@ -150,7 +150,9 @@ def _call(fn: RewardFn, name: str, response_text: str, answer: str, finished: bo
           meta: Optional[dict]) -> RewardOutcome:
     try:
         value: Any = fn(response_text, answer, finished=finished, prompt=prompt, meta=meta)
-    except Exception as e:
+    except (KeyboardInterrupt, SystemExit, asyncio.CancelledError):
+        raise
+    except BaseException as e:  # math_verify's TimeoutException, for one, is not an Exception
         return RewardOutcome(0.0, True, f"reward {name!r} raised {type(e).__name__}: {e}")
     if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
         return RewardOutcome(0.0, True, f"reward {name!r} returned {value!r} ({type(value).__name__}); "

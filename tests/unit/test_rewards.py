@@ -33,6 +33,10 @@ def contains(response_text, answer, *, finished, prompt="", meta=None):
 def boom(response_text, answer, *, finished, prompt="", meta=None):
     raise RuntimeError("kaboom " + answer)
 
+def verify_timeout(response_text, answer, *, finished, prompt="", meta=None):
+    from math_verify.errors import TimeoutException  # a BaseException, not an Exception
+    raise TimeoutException("Operation timed out!")
+
 def sleepy(response_text, answer, *, finished, prompt="", meta=None):
     time.sleep(float(answer))
     return 1.0
@@ -154,6 +158,10 @@ def test_inline_pool(user_module) -> None:
         assert outcome.failed and outcome.reward == 0.0
         assert "boom" in outcome.error and "RuntimeError" in outcome.error and "kaboom 7" in outcome.error
         assert (pool.num_scored, pool.num_failed) == (1, 1)
+
+    with RewardPool(f"{user_module}:verify_timeout") as pool:
+        outcome = asyncio.run(pool.score("x", "7", finished=True))
+        assert outcome.failed and "TimeoutException" in outcome.error and pool.num_failed == 1
 
     with RewardPool(f"{user_module}:not_a_number") as pool:
         outcomes = [asyncio.run(pool.score("x", a, finished=True)) for a in ("nan", "str", "none")]

@@ -194,8 +194,16 @@ def _make_sampler_processor(engine: "CpuEngine") -> Any:
             return torch.zeros(len(self.rows), dtype=torch.int32)
 
         def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-            assert scores.size(0) == len(self.rows), (scores.shape, len(self.rows))
-            return engine._sample_step(self.rows, scores)
+            # CB keeps one logits row per request in the batch, but only the first len(rows) belong to
+            # requests with a new token (in order); a request still in chunked prefill adds a trailing
+            # row that CB never reads. Sample the real rows, leave the rest.
+            n = len(self.rows)
+            assert scores.size(0) >= n, (scores.shape, n)
+            if scores.size(0) == n:
+                return engine._sample_step(self.rows, scores)
+            out = scores.clone()
+            out[:n] = engine._sample_step(self.rows, scores[:n])
+            return out
 
     return _SGLangSampler()
 

@@ -109,3 +109,20 @@ def test_model_info_and_flush(engine) -> None:
     assert info["weight_version"] == "default"
     status, _ = post(engine.url + "/flush_cache")
     assert status == 200
+
+
+def test_prefills_larger_than_one_batch_all_finish_with_exact_logprobs(engine) -> None:
+    """48 concurrent 30-token prompts = 1440 prefill tokens, several times one batch's token budget
+    (the CPU server's --max-batch-tokens is 256): prompts are prefilled in chunks across steps while
+    others decode. Every request must finish and its logprobs must match teacher forcing (found as a
+    crash of the CPU engine's sampler under the quickstart's 128 concurrent requests)."""
+    import concurrent.futures
+
+    prompts = [[1] + [4 + (i * 7 + j) % 40 for j in range(29)] for i in range(48)]
+    params = {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(48) as pool:
+        outs = list(pool.map(lambda p: generate(engine.url, p, return_logprob=True, sampling_params=params), prompts))
+    for prompt, out in zip(prompts, outs):
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    for prompt, out in list(zip(prompts, outs))[::12]:
+        assert_logprobs_match(engine.model_dir, prompt, out, temperature=1.0)

@@ -22,6 +22,7 @@ setup(
         "pyyaml>=6",
         "numpy>=1.24",
         "wandb>=0.19",
+        "tensorboard>=2.14",
         "datasets>=3",
         "math-verify>=0.7",
         "tqdm>=4.66",
@@ -32,7 +33,7 @@ setup(
     extras_require={
         # The set CI pins (Python 3.11: megatron-core 0.16.1 is the newest that supports it).
         "cpu": ["torch==2.13.0", "megatron-core==0.16.1", "transformers==5.23.0", "omegaconf==2.4.0",
-                "wandb==0.31.0", "datasets==5.2.0", "math-verify==0.9.0"],
+                "wandb==0.31.0", "tensorboard==2.21.0", "datasets==5.2.0", "math-verify==0.9.0"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3"],
         # GPU clusters: SGLang engines. transformer-engine is optional (Megatron falls back to torch
         # norms/attention without it) and is installed separately against the cluster's CUDA.

@@ -385,6 +385,10 @@ class CpuEngine:
                 f"{spec.max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
                 f"messages or the completion to fit within the limit.")
 
+    def has_request(self, rid: str) -> bool:
+        """True while a request with this exact rid is admitted or waiting for KV (rids must be unique)."""
+        return rid in self._live or rid in self._kv_queue
+
     def _kv_need(self, num_prompt: int, max_new_tokens: int) -> int:
         """Worst-case KV of a request in tokens, whole pages (retraction keeps it: the need is unchanged)."""
         return -(-(num_prompt + max_new_tokens) // self.page_size) * self.page_size

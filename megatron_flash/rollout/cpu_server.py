@@ -37,6 +37,20 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _num_samples(params: list) -> int:
+    """SGLang's parallel sampling count `sampling_params.n` (the same for every prompt of a request)."""
+    counts = set()
+    for p in params:
+        value = p.get("n") if isinstance(p, dict) else None
+        value = 1 if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"sampling_params.n must be a positive integer, got {value!r}")
+        counts.add(value)
+    if len(counts) > 1:
+        raise ValueError(f"sampling_params.n must be the same for every prompt, got {sorted(counts)}")
+    return counts.pop() if counts else 1
+
+
 def build_app(engine: Any, *, api_key: str | None = None, host: str = "127.0.0.1") -> Any:
     """The FastAPI app serving `engine` (a `CpuEngine`)."""
     import hmac
@@ -160,14 +174,30 @@ def build_app(engine: Any, *, api_key: str | None = None, host: str = "127.0.0.1
         params = params if isinstance(params, list) and not single else [params] * n
         if len(params) != n:
             raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
+        num_samples = _num_samples(params)
+        params = [{k: v for k, v in p.items() if k != "n"} if isinstance(p, dict) else p for p in params]
         logprob, text_lp = per_item("return_logprob", False), body.get("return_text_in_logprobs", False)
+        if num_samples > 1:
+            # Parallel sampling: n requests of the one prompt, answered as a list of n objects (SGLang).
+            # Sample i runs as "{rid}_{i}", so /abort_request with the parent rid reaches all n (prefix match).
+            if not single:
+                raise ValueError("sampling_params.n > 1 is supported for a single prompt only; "
+                                 "send one request per prompt")
+            if body.get("stream"):
+                raise ValueError("stream=true is not supported with sampling_params.n > 1 by the CPU engine")
+            rids = [f"{rids[0]}_{i}" for i in range(num_samples)]
+            taken = [r for r in rids if engine.has_request(r)]
+            if taken:
+                raise ValueError(f"Duplicate request ID: {taken[0]}")
+            n, prompts, params, logprob = num_samples, prompts * num_samples, params * num_samples, \
+                logprob * num_samples
         items = []
         for i in range(n):
             spec = SamplingSpec.from_json(params[i], vocab_size=engine.vocab_size)
             engine.validate(prompts[i], spec)
             items.append({"rid": str(rids[i]), "prompt_ids": prompts[i], "spec": spec,
                           "return_logprob": bool(logprob[i]), "return_text_in_logprobs": bool(text_lp)})
-        return items if not single else items[:1]
+        return items if not single or num_samples > 1 else items[:1]
 
     async def run_one(item: dict) -> dict:
         req = await engine.admit(rid=item["rid"], prompt_ids=item["prompt_ids"], spec=item["spec"])

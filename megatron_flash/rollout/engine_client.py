@@ -10,6 +10,10 @@ Our CPU engine server speaks the same contract, so this client serves both. What
                             ["output_token_logprobs": [[logprob, token_id, text|null], ...]]}}
                             (srt/managers/tokenizer_manager.py, meta_info built at 2507-2558;
                             a user abort answers 200 with finish_reason {"type": "abort", ...}, 3597-3627)
+  POST /generate, one prompt, sampling_params.n > 1 → a JSON list of n such objects. Each sample gets
+                            a fresh uuid4 rid (tokenizer_manager.py 2174, regenerate_rid) and the
+                            request's own rid state is dropped (2159), so /abort_request with that
+                            rid is a no-op (2252); abort_all and a closed connection do abort them.
   finish_reason             {"type": "stop", "matched": int|str|list} | {"type": "length", "length": n}
                             | {"type": "abort", "message", "status_code", "err_type"}
                             (srt/managers/schedule_batch.py 284-345)
@@ -363,6 +367,36 @@ class EngineClient:
                                  timeout_s=timeout_s or self.request_timeout_s)
         return parse_generate_reply(reply, url=self.url, rid=rid, input_len=len(body["input_ids"]),
                                     return_logprob=return_logprob)
+
+    async def generate_n(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], n: int, *,
+                         return_logprob: bool = True, rid: Optional[str] = None,
+                         timeout_s: Optional[float] = None) -> List[GenerateResult]:
+        """One prompt → ``n`` completions in one request (SGLang parallel sampling, ``sampling_params.n``).
+
+        SGLang answers a JSON list of n reply objects, each parsed like ``generate``'s. Each result's
+        ``rid`` is the engine's ``meta_info.id``: SGLang 0.5.23 gives every sample a fresh uuid (not
+        derived from ``rid``), the CPU engine ``f"{rid}_{i}"``. ``abort(rid)`` with the request's rid
+        ends all n on the CPU engine but is a no-op on SGLang 0.5.23 (see docs/engines_client.md).
+        n = 1 is a plain ``generate`` (SGLang then answers one object, not a list). Never retried here.
+        """
+        if not _is_int(n) or n < 1:
+            raise ValueError(f"n must be a positive integer, got {n!r}")
+        if sampling_params.get("n", n) not in (n, None):
+            raise ValueError(f"sampling_params.n={sampling_params['n']!r} contradicts n={n}")
+        if n == 1:
+            params = {k: v for k, v in sampling_params.items() if k != "n"}
+            return [await self.generate(input_ids, params, return_logprob=return_logprob, rid=rid,
+                                        timeout_s=timeout_s)]
+        rid = rid or uuid.uuid4().hex
+        body = {"input_ids": list(input_ids), "sampling_params": {**sampling_params, "n": n},
+                "return_logprob": return_logprob, "rid": rid}
+        reply = await self._call("POST", "/generate", body=body, timeout_s=timeout_s or self.request_timeout_s)
+        if not isinstance(reply, list) or len(reply) != n:
+            got = f"a list of {len(reply)}" if isinstance(reply, list) else f"a {type(reply).__name__}"
+            raise MalformedReply(self.url, "/generate", "<body>", f"reply is {got}, expected a JSON list of "
+                                 f"n={n} objects (asked with sampling_params.n={n})")
+        return [parse_generate_reply(r, url=self.url, rid=f"{rid}_{i}", input_len=len(body["input_ids"]),
+                                     return_logprob=return_logprob) for i, r in enumerate(reply)]
 
     async def abort(self, rid: str, *, timeout_s: Optional[float] = None) -> None:
         """Abort one request; its /generate call then answers with finish_reason abort."""

@@ -12,6 +12,10 @@ continues after a pause) the oldest waiter is handed that slot directly, so a la
 overtakes it. Among engines with a free slot the one with the fewest in-flight requests wins; ties
 rotate.
 
+Parallel sampling: ``generate_n`` sends one request with SGLang's ``sampling_params.n`` to one engine and
+holds min(n, max_inflight_per_engine) of its slots (it queues like any request, FIFO, until one engine has
+that many free). Use it when prompt replication is off; replication spreads n requests over engines instead.
+
 Exactly once: a request whose engine dies under it (connection refused/reset, server gone, timeout,
 HTTP 502/503/504) is re-dispatched with the same rid to another engine, up to ``max_attempts``
 engines in all; its caller sees one result. A request aborted on purpose (``abort``/``abort_all``)
@@ -52,6 +56,8 @@ from megatron_flash.rollout.engine_client import (EngineClient, EngineError, Eng
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _UNAVAILABLE_STATUSES = (502, 503, 504)
+N_ABORT_GRACE_S = 2.0
+"""How long ``abort`` waits for an n > 1 request to end on its engine before closing its connection."""
 
 
 class EngineFanOutError(RuntimeError):
@@ -121,6 +127,7 @@ class _Engine:
 class _Waiter:
     rid: str
     future: "asyncio.Future[Optional[_Engine]]"
+    slots: int = 1
 
 
 class LLMProxy:
@@ -154,6 +161,8 @@ class LLMProxy:
         self._fleet_weight_version: Optional[str] = None
         self._health_task: Optional[asyncio.Task] = None
         self._background: Set[asyncio.Future] = set()
+        self._parallel_calls: Dict[str, asyncio.Future] = {}  # rid → HTTP call of a generate_n in flight
+        self._cut: Set[str] = set()  # generate_n rids whose call the proxy cancelled after an abort
         self._closed = False
         self.reset_metrics()
 
@@ -199,36 +208,79 @@ class LLMProxy:
     async def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *,
                        return_logprob: bool = True, rid: Optional[str] = None) -> GenerateResult:
         """One completion from whichever engine frees a slot first. See the module docstring."""
-        self.start()
         rid = rid or uuid.uuid4().hex
+
+        def call(engine: _Engine) -> Awaitable[GenerateResult]:
+            return engine.client.generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid)
+
+        return await self._serve(rid, call, lambda message: self._aborted_result(rid, message))
+
+    async def generate_n(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], n: int, *,
+                         return_logprob: bool = True, rid: Optional[str] = None) -> List[GenerateResult]:
+        """``n`` completions of one prompt as ONE request (SGLang ``sampling_params.n``) on one engine.
+
+        It holds ``min(n, max_inflight_per_engine)`` slots of that engine, so it waits in the FIFO queue
+        until one engine has that many free (a later request never overtakes it); an oversized n waits
+        for an empty engine. Retries, health and aborts are those of ``generate``; results are in the
+        engine's order, rids as the engine gives them (``EngineClient.generate_n``)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be a positive integer, got {n!r}")
+        rid = rid or uuid.uuid4().hex
+
+        async def call(engine: _Engine) -> List[GenerateResult]:
+            request = asyncio.ensure_future(engine.client.generate_n(
+                input_ids, sampling_params, n, return_logprob=return_logprob, rid=rid))
+            self._parallel_calls[rid] = request
+            try:
+                return await request
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if rid not in self._cut or not request.cancelled() or getattr(me, "cancelling", lambda: 0)():
+                    raise  # our caller was cancelled
+                self._num_aborted += n
+                message = (f"aborted by the proxy: the engine did not end it within {N_ABORT_GRACE_S:g}s of "
+                           "/abort_request, so the connection was closed (partial output lost)")
+                return [GenerateResult(rid=f"{rid}_{i}", output_ids=[], output_logprobs=[], finish_reason="abort",
+                                       finish_message=message, engine_url=engine.client.url) for i in range(n)]
+            finally:
+                self._parallel_calls.pop(rid, None)
+                self._cut.discard(rid)
+
+        def aborted(message: str) -> List[GenerateResult]:
+            return [self._aborted_result(f"{rid}_{i}", message) for i in range(n)]
+
+        return await self._serve(rid, call, aborted, num_samples=n)
+
+    async def _serve(self, rid: str, call: Callable[[_Engine], Awaitable[T]], aborted: Callable[[str], T], *,
+                     num_samples: int = 1) -> T:
+        """Run ``call`` on an engine slot with the exactly-once policy of the module docstring."""
+        self.start()
         if rid in self._active:
             raise ValueError(f"rid {rid!r} is already in flight through this proxy")
+        slots = min(num_samples, self.max_inflight_per_engine)
         self._active[rid] = None
         attempts: List[str] = []
         try:
             while True:
                 if rid in self._aborted:
-                    return self._aborted_result(rid, "aborted; its engine failed before replying")
-                engine = await self._acquire(rid)
+                    return aborted("aborted; its engine failed before replying")
+                engine = await self._acquire(rid, slots)
                 if engine is None:
-                    return self._aborted_result(rid, "aborted by the proxy before dispatch")
+                    return aborted("aborted by the proxy before dispatch")
                 self._active[rid] = engine
                 engine.rids.add(rid)
                 try:
-                    result = await engine.client.generate(input_ids, sampling_params,
-                                                          return_logprob=return_logprob, rid=rid)
+                    result = await call(engine)
                 except (EngineUnreachable, EngineHTTPError) as e:
                     engine.rids.discard(rid)
                     lost = isinstance(e, EngineUnreachable) or e.status in _UNAVAILABLE_STATUSES
                     if lost:  # before the release, or the freed slot would go to the dead engine
                         self._mark_unhealthy(engine, e)
-                    self._release(engine, failed=True)
+                    self._release(engine, failed=True, slots=slots)
                     if not lost:
                         raise
                     if isinstance(e, EngineTimeout):  # it may still be generating: stop it
-                        task = asyncio.ensure_future(self._quiet_abort(engine, rid))
-                        self._background.add(task)
-                        task.add_done_callback(self._background.discard)
+                        self._spawn(self._quiet_abort(engine, rid))
                     attempts.append(engine.client.url)
                     self._active[rid] = None
                     if len(attempts) >= self.max_attempts:
@@ -239,14 +291,19 @@ class LLMProxy:
                     continue
                 except BaseException:
                     engine.rids.discard(rid)
-                    self._release(engine, failed=True)
+                    self._release(engine, failed=True, slots=slots)
                     raise
                 engine.rids.discard(rid)
-                self._release(engine, failed=False)
+                self._release(engine, failed=False, slots=slots, num_completed=num_samples)
                 return result
         finally:
             self._active.pop(rid, None)
             self._aborted.discard(rid)
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _aborted_result(self, rid: str, message: str) -> GenerateResult:
         self._num_aborted += 1
@@ -274,7 +331,20 @@ class LLMProxy:
                 await engine.client.abort(rid)
             except EngineUnreachable:
                 pass  # its engine is gone: the request ends as aborted without a retry
+            request = self._parallel_calls.get(rid)
+            if request is not None:  # SGLang 0.5.23 ignores the abort of an n > 1 request: see _cut_after_grace
+                self._spawn(self._cut_after_grace(rid, request))
         return True
+
+    async def _cut_after_grace(self, rid: str, request: "asyncio.Future[Any]") -> None:
+        """SGLang gives the samples of an n > 1 request fresh rids and forgets the request's own, so
+        /abort_request {rid} reaches none of them. Closing the connection does: SGLang polls for a
+        disconnected client (every SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s) and aborts each sample.
+        The CPU engine ends them on the abort itself and replies well within the grace period."""
+        await asyncio.wait({request}, timeout=N_ABORT_GRACE_S)
+        if not request.done() and self._parallel_calls.get(rid) is request:
+            self._cut.add(rid)
+            request.cancel()
 
     async def abort_all(self) -> Dict[str, Any]:
         """Abort every queued request here and every running one on the engines."""
@@ -288,27 +358,27 @@ class LLMProxy:
         return await self._fan_out("abort_all", lambda c: c.abort_all())
 
     # -- slots ----------------------------------------------------------------------------------
-    def _pick(self) -> Optional[_Engine]:
-        free = [e for e in self._engines if e.healthy and e.inflight < self.max_inflight_per_engine]
+    def _pick(self, slots: int = 1) -> Optional[_Engine]:
+        free = [e for e in self._engines if e.healthy and e.inflight + slots <= self.max_inflight_per_engine]
         if not free:
             return None
         least = min(e.inflight for e in free)
         ties = [e for e in free if e.inflight == least]
         return ties[next(self._rotation) % len(ties)]
 
-    def _take(self, engine: _Engine) -> None:
+    def _take(self, engine: _Engine, slots: int = 1) -> None:
         self._tick()
-        engine.inflight += 1
+        engine.inflight += slots
         engine.max_inflight = max(engine.max_inflight, engine.inflight)
 
-    async def _acquire(self, rid: str) -> Optional[_Engine]:
-        """A slot on an engine, or None when the request was aborted while it waited."""
+    async def _acquire(self, rid: str, slots: int = 1) -> Optional[_Engine]:
+        """``slots`` slots on one engine, or None when the request was aborted while it waited."""
         if not self._waiters and not self._paused:
-            engine = self._pick()
+            engine = self._pick(slots)
             if engine is not None:
-                self._take(engine)
+                self._take(engine, slots)
                 return engine
-        waiter = _Waiter(rid, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(rid, asyncio.get_running_loop().create_future(), slots)
         self._tick()
         self._waiters.append(waiter)
         self._queued[rid] = waiter
@@ -316,7 +386,7 @@ class LLMProxy:
             return await waiter.future
         except asyncio.CancelledError:
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.result():
-                self._release(waiter.future.result(), failed=False, count=False)
+                self._release(waiter.future.result(), failed=False, count=False, slots=slots)
             elif waiter in self._waiters:
                 self._tick()
                 self._waiters.remove(waiter)
@@ -324,29 +394,31 @@ class LLMProxy:
         finally:
             self._queued.pop(rid, None)
 
-    def _release(self, engine: _Engine, *, failed: bool, count: bool = True) -> None:
+    def _release(self, engine: _Engine, *, failed: bool, count: bool = True, slots: int = 1,
+                 num_completed: int = 1) -> None:
         self._tick()
-        engine.inflight -= 1
+        engine.inflight -= slots
         assert engine.inflight >= 0, engine
         if count:
             if failed:
                 engine.failures += 1
             else:
-                engine.completed += 1
-                self._num_completed += 1
+                engine.completed += num_completed
+                self._num_completed += num_completed
         self._dispatch()
 
     def _dispatch(self) -> None:
         """Hand free slots to the oldest waiters (the heart of queue scheduling)."""
         while self._waiters and not self._paused:
-            engine = self._pick()
+            if self._waiters[0].future.done():  # cancelled by its caller
+                self._queued.pop(self._waiters.popleft().rid, None)
+                continue
+            engine = self._pick(self._waiters[0].slots)
             if engine is None:
                 return
             waiter = self._waiters.popleft()
             self._queued.pop(waiter.rid, None)
-            if waiter.future.done():  # cancelled by its caller
-                continue
-            self._take(engine)
+            self._take(engine, waiter.slots)
             waiter.future.set_result(engine)
 
     # -- health ---------------------------------------------------------------------------------

@@ -4,11 +4,17 @@ It is an aiohttp app served on 127.0.0.1 in the test's own event loop. It record
 answers /generate after a configurable latency (abortable through /abort_request), can fail chosen
 endpoints with a status, and can die (stop listening and drop every connection, in flight or idle)
 and come back on the same port. Not a model: output_ids are 100, 101, ... and logprobs -0.5 each.
+
+Parallel sampling (`sampling_params.n` > 1) answers a list of n replies and counts n in flight. By
+default it behaves like SGLang 0.5.23: each sample gets a fresh uuid rid and /abort_request with the
+request's rid does nothing (`parallel_abort_by_rid=True` makes it end all n, as the CPU engine does,
+with rids "{rid}_{i}"). `disconnected` lists rids whose client closed the connection before the reply.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from aiohttp import web
@@ -18,14 +24,17 @@ Latency = Union[float, Callable[[Dict[str, Any]], float]]
 
 class FakeEngine:
     def __init__(self, *, latency_s: Latency = 0.0, weight_version: str = "0",
-                 api_key: Optional[str] = None, session_endpoints: bool = True) -> None:
+                 api_key: Optional[str] = None, session_endpoints: bool = True,
+                 parallel_abort_by_rid: bool = False) -> None:
         self.latency_s = latency_s
         self.weight_version = weight_version
         self.api_key = api_key
         self.session_endpoints = session_endpoints
+        self.parallel_abort_by_rid = parallel_abort_by_rid
         self.requests: List[Dict[str, Any]] = []  # {"path", "body", "auth"}
         self.completed: List[str] = []  # rids answered with a finished, non-abort reply
         self.aborted: List[str] = []
+        self.disconnected: List[str] = []
         self.started: List[str] = []  # rids in arrival order
         self.inflight = 0
         self.max_inflight = 0
@@ -36,6 +45,7 @@ class FakeEngine:
         self.session_open = False
         self.url = ""
         self._abort_events: Dict[str, asyncio.Event] = {}
+        self._parallel: set = set()  # rids of n > 1 requests in flight
         self._transports: set = set()
         self._runner: Optional[web.AppRunner] = None
         self._site: Optional[web.TCPSite] = None
@@ -102,10 +112,13 @@ class FakeEngine:
 
     async def _generate(self, body: Dict[str, Any]) -> web.StreamResponse:
         rid = body["rid"]
+        num_samples = int((body.get("sampling_params") or {}).get("n") or 1)
         self.started.append(rid)
-        self.inflight += 1
+        self.inflight += num_samples
         self.max_inflight = max(self.max_inflight, self.inflight)
         event = self._abort_events[rid] = asyncio.Event()
+        if num_samples > 1:
+            self._parallel.add(rid)
         try:
             latency = self.latency_s(body) if callable(self.latency_s) else self.latency_s
             try:
@@ -115,26 +128,40 @@ class FakeEngine:
                 aborted = False
             if self.dead:
                 return web.Response(status=503)
-            n = int(body.get("sampling_params", {}).get("max_new_tokens", 3))
-            ids = [100 + i for i in range(1 if aborted else n)]
-            finish = ({"type": "abort", "message": "Abort in running batch", "status_code": None,
-                       "err_type": None} if aborted else {"type": "length", "length": n})
-            meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
-                    "weight_version": self.weight_version, "num_retractions": 0, "reasoning_tokens": 0,
-                    "completion_tokens": len(ids), "cached_tokens": 0}
-            if body.get("return_logprob"):
-                meta["output_token_logprobs"] = [[-0.5, t, None] for t in ids]
-            reply = {"text": "x" * len(ids), "output_ids": ids, "meta_info": meta}
-            if self.mutate_reply is not None:
-                reply = self.mutate_reply(reply)
+            if num_samples == 1:
+                reply: Any = self._reply(body, rid, aborted)
+            else:
+                reply = [self._reply(body, f"{rid}_{i}" if self.parallel_abort_by_rid else uuid.uuid4().hex, aborted)
+                         for i in range(num_samples)]
             (self.aborted if aborted else self.completed).append(rid)
             return web.json_response(reply)
+        except asyncio.CancelledError:  # the client closed the connection
+            self.disconnected.append(rid)
+            raise
         finally:
-            self.inflight -= 1
+            self.inflight -= num_samples
             self._abort_events.pop(rid, None)
+            self._parallel.discard(rid)
+
+    def _reply(self, body: Dict[str, Any], rid: str, aborted: bool) -> Dict[str, Any]:
+        n = int(body.get("sampling_params", {}).get("max_new_tokens", 3))
+        ids = [100 + i for i in range(1 if aborted else n)]
+        finish = ({"type": "abort", "message": "Abort in running batch", "status_code": None,
+                   "err_type": None} if aborted else {"type": "length", "length": n})
+        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
+                "weight_version": self.weight_version, "num_retractions": 0, "reasoning_tokens": 0,
+                "completion_tokens": len(ids), "cached_tokens": 0}
+        if body.get("return_logprob"):
+            meta["output_token_logprobs"] = [[-0.5, t, None] for t in ids]
+        reply = {"text": "x" * len(ids), "output_ids": ids, "meta_info": meta}
+        if self.mutate_reply is not None:
+            reply = self.mutate_reply(reply)
+        return reply
 
     async def _abort_request(self, body: Dict[str, Any]) -> web.StreamResponse:
         targets = list(self._abort_events) if body.get("abort_all") else [body.get("rid")]
+        if not body.get("abort_all") and not self.parallel_abort_by_rid:
+            targets = [rid for rid in targets if rid not in self._parallel]  # SGLang 0.5.23 forgets that rid
         for rid in targets:
             if rid in self._abort_events:
                 self._abort_events[rid].set()

@@ -283,3 +283,134 @@ def test_constructor_validation() -> None:
         LLMProxy([EngineClient("http://a:1")], max_inflight_per_engine=0)
     with pytest.raises(ValueError, match="distinct"):
         LLMProxy([EngineClient("http://a:1"), EngineClient("http://a:1/")], max_inflight_per_engine=1)
+
+
+# ---------------------------------------------------------------------------- parallel sampling (n)
+def test_generate_n_occupies_n_slots_of_one_engine() -> None:
+    """Bound 4 on two engines. An n=3 request holds 3 slots of one engine: a single request goes to
+    the other engine (least loaded), the next n=3 request must wait until the first one ends, and a
+    single request behind it in the queue does not overtake it (FIFO)."""
+
+    async def body(fakes: List[FakeEngine], proxy: LLMProxy) -> None:
+        first = asyncio.ensure_future(proxy.generate_n([300], {"max_new_tokens": 2}, 3, rid="n1"))
+        await wait_until(lambda: sum(len(f.started) for f in fakes) == 1)
+        a = next(f for f in fakes if f.started)
+        b = next(f for f in fakes if f is not a)
+        assert [e.inflight for e in proxy.metrics().engines] == [3 if f is a else 0 for f in fakes]
+        single = asyncio.ensure_future(proxy.generate([300], {}, rid="s1"))
+        await wait_until(lambda: b.started == ["s1"])
+        # a has 1 free slot, b has 3: the second n=3 request fits on b only.
+        second = asyncio.ensure_future(proxy.generate_n([300], {}, 3, rid="n2"))
+        await wait_until(lambda: b.started == ["s1", "n2"])
+        assert sorted(e.inflight for e in proxy.metrics().engines) == [3, 4]
+        # Now neither engine has 3 free: n3 queues, and s2 (1 slot fits on a) waits behind it.
+        third = asyncio.ensure_future(proxy.generate_n([10], {}, 3, rid="n3"))
+        late = asyncio.ensure_future(proxy.generate([10], {}, rid="s2"))
+        await wait_until(lambda: proxy.metrics().queue_len == 2)
+        await asyncio.sleep(0.05)
+        assert a.started == ["n1"] and proxy.metrics().queue_len == 2  # s2 did not take a's free slot
+        results = await first
+        assert [len(r.output_ids) for r in results] == [2, 2, 2] and len({r.rid for r in results}) == 3
+        await asyncio.gather(single, second, third, late)
+        assert a.started[0] == "n1" and sorted(a.started[1:]) == ["n3", "s2"]  # both got a's freed slots
+        assert a.max_inflight <= 4 and b.max_inflight <= 4
+        m = proxy.metrics()
+        assert m.completed == 3 * 3 + 2 and m.queue_len == 0 and [e.inflight for e in m.engines] == [0, 0]
+
+    run_with_fakes(body, bound=4, latency_s=latency_from_prompt)
+
+
+def test_generate_n_larger_than_the_bound_waits_for_an_empty_engine() -> None:
+    async def body(fakes: List[FakeEngine], proxy: LLMProxy) -> None:
+        (engine,) = fakes
+        busy = asyncio.ensure_future(proxy.generate([200], {}, rid="busy"))
+        await wait_until(lambda: engine.started == ["busy"])
+        big = asyncio.ensure_future(proxy.generate_n([1], {}, 5, rid="big"))
+        await wait_until(lambda: proxy.metrics().queue_len == 1)
+        await busy
+        results = await big
+        assert len(results) == 5 and engine.started == ["busy", "big"]
+        assert proxy.metrics().engines[0].max_inflight == 2  # slots held: min(n, bound)
+        assert engine.max_inflight == 5  # what the engine itself ran at once
+
+    run_with_fakes(body, num_engines=1, bound=2, latency_s=latency_from_prompt)
+
+
+def test_generate_n_is_retried_whole_when_its_engine_dies() -> None:
+    async def body(fakes: List[FakeEngine], proxy: LLMProxy) -> None:
+        task = asyncio.ensure_future(proxy.generate_n([400], {}, 4, rid="p"))
+        await wait_until(lambda: sum(len(f.started) for f in fakes) == 1)
+        victim = next(f for f in fakes if f.started)
+        survivor = next(f for f in fakes if f is not victim)
+        await victim.die()
+        results = await task
+        assert len(results) == 4 and all(r.engine_url == survivor.url and r.finish_reason == "length"
+                                         for r in results)
+        assert survivor.started == ["p"] and proxy.metrics().retried == 1
+        assert [e.inflight for e in proxy.metrics().engines] == [0, 0]
+
+    run_with_fakes(body, bound=4, latency_s=latency_from_prompt)
+
+
+def test_abort_of_a_queued_generate_n_returns_n_aborted_results() -> None:
+    async def body(fakes: List[FakeEngine], proxy: LLMProxy) -> None:
+        hog = asyncio.ensure_future(proxy.generate([5000], {}, rid="hog"))
+        queued = asyncio.ensure_future(proxy.generate_n([1], {}, 3, rid="q"))
+        await wait_until(lambda: proxy.metrics().queue_len == 1)
+        assert await proxy.abort("q")
+        results = await queued
+        assert [r.rid for r in results] == ["q_0", "q_1", "q_2"] and all(r.aborted for r in results)
+        await proxy.abort("hog")
+        await hog
+        assert proxy.metrics().aborted == 3
+
+    run_with_fakes(body, num_engines=1, bound=3, latency_s=latency_from_prompt)
+
+
+@pytest.mark.parametrize("engine_aborts", [True, False])
+def test_abort_of_a_running_generate_n(monkeypatch: pytest.MonkeyPatch, engine_aborts: bool) -> None:
+    """The CPU engine ends all n on /abort_request {rid} (partial outputs come back). SGLang 0.5.23
+    ignores it: after a grace period the proxy closes the connection (SGLang then aborts the samples)
+    and answers n aborted results itself."""
+    from megatron_flash.rollout import proxy as proxy_module
+
+    monkeypatch.setattr(proxy_module, "N_ABORT_GRACE_S", 0.2)
+
+    async def main() -> None:
+        fake = FakeEngine(latency_s=latency_from_prompt, parallel_abort_by_rid=engine_aborts)
+        url = await fake.start()
+        try:
+            async with LLMProxy([EngineClient(url, max_retries=0)], max_inflight_per_engine=4,
+                                health_check_interval_s=0.05) as proxy:
+                task = asyncio.ensure_future(proxy.generate_n([10_000], {}, 4, rid="p"))
+                await wait_until(lambda: fake.started == ["p"])
+                assert await proxy.abort("p")
+                results = await asyncio.wait_for(task, 5)
+                assert len(results) == 4 and all(r.aborted and r.engine_url == url for r in results)
+                if engine_aborts:
+                    assert [r.rid for r in results] == [f"p_{i}" for i in range(4)]
+                    assert all(r.finish_message == "Abort in running batch" for r in results)
+                    assert fake.aborted == ["p"] and fake.disconnected == []
+                else:
+                    assert all("connection was closed" in r.finish_message for r in results)
+                    await wait_until(lambda: fake.disconnected == ["p"])
+                m = proxy.metrics()
+                assert m.engines[0].inflight == 0 and m.engines[0].healthy and m.retried == 0
+                assert len(await proxy.generate_n([1], {}, 4)) == 4  # the slots are free again
+        finally:
+            await fake.close()
+
+    asyncio.run(main())
+
+
+def test_generate_n_validation() -> None:
+    async def body(fakes: List[FakeEngine], proxy: LLMProxy) -> None:
+        for bad in (0, -1, 2.0, True):
+            with pytest.raises(ValueError, match="n must be a positive integer"):
+                await proxy.generate_n([1], {}, bad)
+        with pytest.raises(ValueError, match="contradicts n=2"):
+            await proxy.generate_n([1], {"n": 3}, 2)
+        (one,) = await proxy.generate_n([1], {"n": 1}, 1, rid="solo")  # n=1 is a plain generate
+        assert one.rid == "solo" and "n" not in fakes[0].requests[-1]["body"]["sampling_params"]
+
+    run_with_fakes(body, num_engines=1)

@@ -1,7 +1,7 @@
-"""CPU quickstart: a tiny model, Megatron-Core on gloo, a supervised warm-up and RL that visibly learns.
+"""CPU quickstart: a tiny model, a format-only warm-up, then asynchronous RL that visibly learns.
 
     make quickstart                      # = OMP_NUM_THREADS=1 .venv/bin/python launch/quickstart_cpu.py
-    python launch/quickstart_cpu.py --loss tis --rl-steps 150 --out runs/qs_tis
+    python launch/quickstart_cpu.py --out runs/qs_tis loss.name=tis      # any config override
 
 Stages (each prints progress; the last line is one JSON summary):
   1. tools/make_tiny_model.py   → {out}/tiny_model (Llama-style, 2 layers, hidden 64, char tokenizer)
@@ -10,10 +10,10 @@ Stages (each prints progress; the last line is one JSON summary):
                                   reward starts at chance (≈1/24)
   3. export → {out}/warm_model  → Megatron → HF safetensors; transformers reloads it and the logits
                                   are compared with Megatron's (parity check)
-  4. synchronous GRPO            → the policy samples its own responses (no engine yet: the async
-                                  pipeline with engines is issue 6), exact-match reward, GRPO
-                                  advantages, the loss picked by name (--loss), Adam, grad-clip 1.0
-Stops RL early once the mean reward of the last 5 steps reaches --target.
+  4. asynchronous RL            → `launch/pretrain_async_rl.py --config configs/quickstart_cpu.yaml`
+                                  (the product's entry point, as a subprocess): a CPU engine server
+                                  generates over HTTP while Megatron trains, α = 2, weights pushed to
+                                  the engine after every step; metrics in {out}/rl/metrics.jsonl
 """
 
 from __future__ import annotations
@@ -85,51 +85,29 @@ def warm_up(args, tokenizer, task) -> dict:
     return {"sft_nll_first": losses[0], "sft_nll_last": sum(losses[-10:]) / 10, "export_max_abs_logit_diff": diff}
 
 
-def grpo(args, tokenizer, task) -> dict:
-    from megatron_flash.config.schema import OptimizerConfig
-    from megatron_flash.losses import compute_advantages, get_loss
-    from megatron_flash.rewards.synthetic import exact_match_reward
-    from megatron_flash.trainer.loss_adapter import make_loss_fn
-    from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
-    from megatron_flash.trainer.sampling import sample
-    from megatron_flash.types import Sample, collate
-
-    policy = MegatronPolicy(PolicySettings(hf_path=os.path.join(args.out, "warm_model"), micro_batch_size=64,
-                                           seed=args.seed + 1, total_steps=args.rl_steps,
-                                           optimizer=OptimizerConfig(lr=1e-3, clip_grad=1.0)))
-    loss = get_loss(args.loss)
-    loss_fn = make_loss_fn(loss, aggregation="token_mean")
-    rng = random.Random(args.seed + 2)
-    gen = torch.Generator().manual_seed(args.seed + 3)
-    rewards_per_step = []
-    for step in range(1, args.rl_steps + 1):
-        pairs = [task.make(rng) for _ in range(args.prompts)]
-        prompts = [encode(tokenizer, p) for p, _ in pairs for _ in range(args.n)]
-        outs = sample(policy, prompts, max_new_tokens=8, eos_id=tokenizer.eos_token_id,
-                      pad_id=tokenizer.pad_token_id, temperature=1.0, generator=gen)
-        samples = []
-        for i, o in enumerate(outs):
-            answer = pairs[i // args.n][1]
-            body = o.response_ids[:-1] if o.finished else o.response_ids
-            text = tokenizer.decode(body)
-            samples.append(Sample(o.prompt_ids, o.response_ids, o.behavior_logprobs,
-                                  reward=exact_match_reward(text, answer, finished=o.finished), group_id=i // args.n))
-        rewards = torch.tensor([s.reward for s in samples])
-        adv = compute_advantages("grpo", rewards=rewards, group_ids=torch.tensor([s.group_id for s in samples]))
-        batch = collate(samples, pad_id=tokenizer.pad_token_id, advantages=adv)
-        if loss.needs_proximal:  # one optimizer step per batch: π_prox is the sampling policy itself
-            batch["proximal_logprobs"] = policy.compute_logprobs(batch)[0] * batch["loss_mask"]
-        metrics = policy.train_step(batch, loss_fn)
-        rewards_per_step.append(rewards.mean().item())
-        if step % 10 == 0 or step == 1:
-            log(f"rl step {step:4d}  reward {rewards_per_step[-1]:.3f}  (last-5 mean "
-                f"{sum(rewards_per_step[-5:]) / len(rewards_per_step[-5:]):.3f})  loss {metrics['loss']:+.4f}")
-        if len(rewards_per_step) >= 10 and sum(rewards_per_step[-5:]) / 5 >= args.target:
-            break
-    first5 = sum(rewards_per_step[:5]) / 5
-    last5 = sum(rewards_per_step[-5:]) / 5
-    return {"loss": args.loss, "rl_steps": len(rewards_per_step), "reward_first5": first5, "reward_last5": last5,
-            "rewards": [round(r, 4) for r in rewards_per_step]}
+def rl(args, overrides: list[str]) -> dict:
+    run_dir = os.path.join(args.out, "rl")
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(metrics_path):
+        os.remove(metrics_path)  # one run's curve, not an append of several
+    cmd = [sys.executable, os.path.join(REPO, "launch/pretrain_async_rl.py"), "--config",
+           os.path.join(REPO, "configs/quickstart_cpu.yaml"), f"model.hf_path={os.path.join(args.out, 'warm_model')}",
+           f"logging.dir={run_dir}", *overrides]
+    log("RL: " + " ".join(cmd[1:]))
+    # The warm-up's single-process group left MASTER_PORT & co. in os.environ: the RL run picks its own.
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                                                            "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    proc = subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        raise SystemExit(f"quickstart: the RL run failed (exit {proc.returncode}); see the output above")
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    rewards = [r["reward_mean"] for r in rows]
+    return {"rl_steps": len(rows), "reward_first5": sum(rewards[:5]) / 5, "reward_last5": sum(rewards[-5:]) / 5,
+            "staleness_mean": sum(r["staleness_mean"] for r in rows) / len(rows),
+            "staleness_max": max(r["staleness_max"] for r in rows),
+            "rl_seconds_per_step": sum(r["time_step"] for r in rows) / len(rows),
+            "rewards": [round(r, 4) for r in rewards], "metrics": metrics_path}
 
 
 def main() -> int:
@@ -137,16 +115,10 @@ def main() -> int:
     p.add_argument("--out", default="runs/quickstart")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sft-steps", type=int, default=300)
-    p.add_argument("--rl-steps", type=int, default=300)
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--n", type=int, default=8, help="responses per prompt (GRPO group size)")
-    p.add_argument("--loss", default="ppo", help="any registered loss: ppo, decoupled_ppo, tis, cispo, topr, reinforce")
-    p.add_argument("--target", type=float, default=0.8)
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for the RL run")
     args = p.parse_args()
-    from megatron_flash.losses import get_loss
     from megatron_flash.rewards.synthetic import get_task
 
-    get_loss(args.loss)  # an unknown name fails here, listing the known ones
     task = get_task("sort4")
     t0 = time.time()
     os.makedirs(args.out, exist_ok=True)
@@ -160,16 +132,17 @@ def main() -> int:
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny)
     summary = {"task": "sort4"}
     summary.update(warm_up(args, tokenizer, task))
-    summary.update(grpo(args, tokenizer, task))
+    from megatron_flash.trainer.distributed import destroy_distributed
+
+    destroy_distributed()  # the RL run is its own process (its own process group and engines)
+    summary.update(rl(args, args.overrides))
     summary["seconds"] = round(time.time() - t0, 1)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     log(f"reward: first-5-step mean {summary['reward_first5']:.3f} → last-5-step mean "
-        f"{summary['reward_last5']:.3f} in {summary['rl_steps']} RL steps; {summary['seconds']} s total")
+        f"{summary['reward_last5']:.3f} in {summary['rl_steps']} async RL steps (staleness mean "
+        f"{summary['staleness_mean']:.2f}, max {summary['staleness_max']}); {summary['seconds']} s total")
     print(json.dumps({k: v for k, v in summary.items() if k != "rewards"}))
-    from megatron_flash.trainer.distributed import destroy_distributed
-
-    destroy_distributed()
     return 0
 
 

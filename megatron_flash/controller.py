@@ -42,6 +42,11 @@ from megatron_flash.types import Group, collate
 logger = logging.getLogger(__name__)
 
 
+class RolloutStopped(RuntimeError):
+    """No batch can come (engines down past the deadline, data exhausted, ...): raised on every rank,
+    so all of them save the policy before exiting."""
+
+
 class Controller:
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
@@ -111,20 +116,15 @@ class Controller:
 
             self.replay = read_group_dump(cfg.trainer.replay_path)
             return
-        urls: list[str] = []
+        urls: Any = []
         if self.rank == 0:
-            from megatron_flash.rollout.dataset import PromptDataset
-            from megatron_flash.rollout.runtime import RolloutRuntime
-
-            dataset = PromptDataset.from_config(cfg.data, self.tokenizer, seed=cfg.trainer.seed)
-            self.buffer = SampleBuffer(self.staleness, stale_policy=cfg.async_rl.stale_policy,
-                                       on_evict=self._on_evict)
-            self.runtime = RolloutRuntime(cfg, run_dir=self.run_dir, staleness=self.staleness, buffer=self.buffer,
-                                          dataset=dataset, model_path=cfg.model.hf_path,
-                                          decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
-            urls = self.runtime.start()
-            logger.info("engines up: %s", urls)
+            try:
+                urls = self._start_rollout()
+            except Exception as e:  # every rank must learn it, or the others hang in the broadcast
+                urls = e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")
         urls = self._broadcast(urls)
+        if isinstance(urls, BaseException):
+            raise urls
         if self.mode == "full":
             from megatron_flash.weight_sync.bridge import WeightBridge, default_disk_dir
 
@@ -133,6 +133,20 @@ class Controller:
                                        pause_mode=cfg.rollout.pause_mode, api_key=cfg.engines.api_key,
                                        disk_dir=default_disk_dir(self.run_dir))
 
+    def _start_rollout(self) -> list[str]:
+        from megatron_flash.rollout.dataset import PromptDataset
+        from megatron_flash.rollout.runtime import RolloutRuntime
+
+        cfg = self.cfg
+        dataset = PromptDataset.from_config(cfg.data, self.tokenizer, seed=cfg.trainer.seed)
+        self.buffer = SampleBuffer(self.staleness, stale_policy=cfg.async_rl.stale_policy, on_evict=self._on_evict)
+        self.runtime = RolloutRuntime(cfg, run_dir=self.run_dir, staleness=self.staleness, buffer=self.buffer,
+                                      dataset=dataset, model_path=cfg.model.hf_path,
+                                      decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        urls = self.runtime.start()
+        logger.info("engines up: %s", urls)
+        return urls
+
     def _on_evict(self, group: Group) -> None:
         if self.cfg.async_rl.stale_policy == "regenerate" and self.runtime is not None:
             self.runtime.requeue(group)
@@ -140,11 +154,18 @@ class Controller:
     def shutdown(self, error: Optional[BaseException]) -> None:
         if self.runtime is not None:
             self.runtime.stop()
-        if error is None and self.policy is not None and self.cfg.checkpoint.save_hf_at_end:
+        if self.policy is None:
+            pass
+        elif error is None and self.cfg.checkpoint.save_hf_at_end:
             out = os.path.join(self.cfg.checkpoint.save_dir or self.run_dir, "final_hf")
             self.policy.export_hf(out)
             if self.rank == 0:
                 logger.info("final HF checkpoint: %s", out)
+        elif isinstance(error, RolloutStopped):  # every rank is here: save what training reached
+            out = os.path.join(self.run_dir, f"hf_at_stop_v{self.version}")
+            self.policy.export_hf(out)
+            if self.rank == 0:
+                logger.error("%s; policy version %d saved to %s", error, self.version, out)
         if self.tracker is not None:
             self.tracker.close()
 
@@ -160,7 +181,7 @@ class Controller:
                     payload = self.buffer.take_batch(self.batch_size, timeout_s=self.cfg.async_rl.batch_timeout_s)
             except (BufferClosed, TimeoutError) as e:
                 cause = e.__cause__ if isinstance(e, BufferClosed) and e.__cause__ is not None else e
-                payload = RuntimeError(f"no training batch at policy version {self.version}: {cause}")
+                payload = RolloutStopped(f"no training batch at policy version {self.version}: {cause}")
         payload = self._broadcast(payload)
         if isinstance(payload, BaseException):
             raise payload
@@ -263,6 +284,7 @@ class Controller:
             m["rollout_resumes"] = stats.resumes
             m["engine_errors"] = stats.engine_errors
         m.update(sync_metrics)
+        m.setdefault("train_infer_logprob_diff", None)  # neither a probe nor fresh samples this step
         m.update(train_metrics)
         self.tracker.log(step, m)
         return m
@@ -274,6 +296,16 @@ class Controller:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self._ctrl_group)
         return box[0]
+
+
+def _picklable(obj: Any) -> bool:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(obj))
+        return True
+    except Exception:
+        return False
 
 
 def _build_loss(cfg: Any) -> tuple[Any, Any]:

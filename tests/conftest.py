@@ -13,9 +13,10 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 
-def run_tool(args: list[str], *, nproc: int = 1, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+def run_tool(args: list[str], *, nproc: int = 1, timeout: float = 300, check: bool = True,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run a repo script with python (nproc=1) or torchrun (nproc>1); 1 thread per process."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     if nproc == 1:
         cmd = [sys.executable] + args
     else:

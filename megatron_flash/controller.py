@@ -161,7 +161,9 @@ class Controller:
             self.policy.export_hf(out)
             if self.rank == 0:
                 logger.info("final HF checkpoint: %s", out)
-        elif isinstance(error, RolloutStopped):  # every rank is here: save what training reached
+        elif isinstance(error, RolloutStopped) or (isinstance(error, Exception) and self.policy.layout.world_size == 1):
+            # RolloutStopped reaches every rank (so the collective export is safe); a single rank can
+            # always save. Save what training reached.
             out = os.path.join(self.run_dir, f"hf_at_stop_v{self.version}")
             self.policy.export_hf(out)
             if self.rank == 0:

@@ -103,3 +103,52 @@ def test_missing_dataset_fails_naming_the_key(tiny_models, tmp_path) -> None:
                     timeout=300, check=False)
     assert proc.returncode != 0
     assert "data.path" in proc.stderr and "nope.jsonl" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_pause_mode_abort_resumes_and_a_raising_reward_is_counted(tiny_models, tmp_path) -> None:
+    run_dir = str(tmp_path / "abort")
+    run(small_run(tiny_models["llama"], run_dir, "rollout.pause_mode=abort", "async_rl.alpha=1",
+                  "rollout.reward=tests.e2e.toy_rewards:flaky_digit_fraction", "trainer.total_steps=6",
+                  "rollout.max_new_tokens=24", "trainer.max_seq_len=40"), timeout=600)
+    rows = metrics(run_dir)
+    assert [r["version"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r["staleness_max"] <= 1 for r in rows)
+    assert rows[-1]["reward_failed"] > 0  # the toy reward raised for some samples; the run went on
+    assert sum(r["rollout_resumes"] for r in rows) > 0  # pushes aborted requests; they resumed
+
+
+def test_engines_down_stops_with_a_clear_error_and_saves(tiny_models, tmp_path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+    from tests.contract.conftest import launch_engine
+
+    server = launch_engine("cpu", tiny_models["llama"], str(tmp_path))
+    run_dir = str(tmp_path / "down")
+    args = small_run(tiny_models["llama"], run_dir, "engines.backend=attach", f"engines.urls=[{server.url}]",
+                     "trainer.total_steps=500", "async_rl.batch_timeout_s=10")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    proc = subprocess.Popen([sys.executable] + args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
+                                               or len(metrics(run_dir)) < 2):
+            time.sleep(0.2)
+        assert len(metrics(run_dir)) >= 2, "the run never got going"
+        server.proc.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=180)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        server.stop()
+    assert proc.returncode not in (0, None)
+    assert server.url in err or "engine" in err.lower(), err[-3000:]
+    saved = [d for d in os.listdir(run_dir) if d.startswith("hf_at_stop_v")]
+    assert saved, os.listdir(run_dir)
+    print(f"stopped {took:.1f} s after the engine died; saved {saved}; last error line: {err.strip().splitlines()[-1]}")

@@ -215,6 +215,8 @@ class Controller:
         batch["staleness"] = torch.tensor([staleness(self.version, s.version_start) for s in samples])
         if self.loss.needs_proximal:  # π_prox = the weights this step starts from (version V)
             batch["proximal_logprobs"] = self.policy.compute_logprobs(batch)[0] * batch["loss_mask"]
+        if getattr(self.loss, "needs_reference", False):  # KL(π_θ‖π_ref) against the start checkpoint
+            batch["reference_logprobs"] = self.policy.compute_logprobs(batch, reference=True)[0] * batch["loss_mask"]
         return batch
 
     def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -86,6 +86,20 @@ class MegatronPolicy:
         load_hf_weights(stage, s.hf_path, spec=self.spec, layout=self.layout, padded_vocab_size=self.padded_vocab)
         self.model = self._wrap_ddp(stage)
         self.optimizer, self.scheduler = self._build_optimizer()
+        self._reference: Optional[torch.nn.Module] = None
+
+    def _reference_model(self) -> torch.nn.Module:
+        """The frozen start checkpoint (π_ref for the KL penalty), same layout, built on first use.
+        Costs one more copy of this rank's weights; no gradients, no optimizer state."""
+        if self._reference is None:
+            s = self.settings
+            stage = build_gpt_stage(self.spec, config=self.config, make_vocab_size_divisible_by=s.make_vocab_size_divisible_by,
+                                    use_transformer_engine=s.use_transformer_engine)
+            load_hf_weights(stage, s.hf_path, spec=self.spec, layout=self.layout, padded_vocab_size=self.padded_vocab)
+            for p in stage.parameters():
+                p.requires_grad_(False)
+            self._reference = stage.eval()
+        return self._reference
 
     # ------------------------------------------------------------------ construction
     def _wrap_ddp(self, stage: torch.nn.Module) -> Any:
@@ -173,20 +187,23 @@ class MegatronPolicy:
         return output, loss_factory(mb)
 
     def _run(self, micro: list[dict[str, torch.Tensor]], mbs: int, seq: int, *, forward_only: bool,
-             loss_factory: Callable[[dict[str, torch.Tensor]], Callable[[torch.Tensor], Any]]) -> list[Any]:
+             loss_factory: Callable[[dict[str, torch.Tensor]], Callable[[torch.Tensor], Any]],
+             model: Optional[torch.nn.Module] = None) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         return get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, loss_factory), data_iterator=iter(micro),
-            model=[self.model], num_microbatches=len(micro), seq_length=seq, micro_batch_size=mbs,
-            forward_only=forward_only,
+            model=[model if model is not None else self.model], num_microbatches=len(micro), seq_length=seq,
+            micro_batch_size=mbs, forward_only=forward_only,
         )
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
     def compute_logprobs(self, batch: dict[str, torch.Tensor], *, temperature: float = 1.0,
-                         with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Logprobs (and entropy) of `batch['tokens']`, [B, S] on every rank, forward only."""
+                         with_entropy: bool = False,
+                         reference: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Logprobs (and entropy) of `batch['tokens']`, [B, S] on every rank, forward only; of the
+        frozen start checkpoint instead of the trained weights when `reference`."""
         b = batch["tokens"].shape[0]
         micro, mbs, seq = self._micro_batches({"tokens": batch["tokens"], "loss_mask": batch["tokens"] * 0})
 
@@ -197,7 +214,8 @@ class MegatronPolicy:
                 return lp.new_zeros(()), torch.tensor(1, dtype=torch.int), extra
             return loss_func
 
-        store = self._run(micro, mbs, seq, forward_only=True, loss_factory=factory)
+        store = self._run(micro, mbs, seq, forward_only=True, loss_factory=factory,
+                          model=self._reference_model() if reference else None)
         keys = ["logprobs"] + (["entropy"] if with_entropy else [])
         out = []
         for key in keys:

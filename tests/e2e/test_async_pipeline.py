@@ -152,3 +152,13 @@ def test_engines_down_stops_with_a_clear_error_and_saves(tiny_models, tmp_path) 
     saved = [d for d in os.listdir(run_dir) if d.startswith("hf_at_stop_v")]
     assert saved, os.listdir(run_dir)
     print(f"stopped {took:.1f} s after the engine died; saved {saved}; last error line: {err.strip().splitlines()[-1]}")
+
+
+def test_reference_kl_penalty_is_applied(tiny_models, tmp_path) -> None:
+    run_dir = str(tmp_path / "kl")
+    run(small_run(tiny_models["llama"], run_dir, "loss.kl_coef=0.1", "trainer.total_steps=3", "async_rl.alpha=0"),
+        timeout=600)
+    rows = metrics(run_dir)
+    # Step 0 starts from the reference weights: KL 0 up to float error; after updates it is positive.
+    assert abs(rows[0]["train/kl_ref"]) < 1e-6
+    assert rows[-1]["train/kl_ref"] > 1e-6

@@ -138,11 +138,15 @@ class Controller:
         from megatron_flash.rollout.runtime import RolloutRuntime
 
         cfg = self.cfg
-        dataset = PromptDataset.from_config(cfg.data, self.tokenizer, seed=cfg.trainer.seed)
+        if cfg.agentic.env:  # groups are episodes of one env seed each
+            from megatron_flash.agentic.env_manager import SeedDataset
+
+            dataset: Any = SeedDataset(first_seed=cfg.agentic.seed)
+        else:
+            dataset = PromptDataset.from_config(cfg.data, self.tokenizer, seed=cfg.trainer.seed)
         self.buffer = SampleBuffer(self.staleness, stale_policy=cfg.async_rl.stale_policy, on_evict=self._on_evict)
         self.runtime = RolloutRuntime(cfg, run_dir=self.run_dir, staleness=self.staleness, buffer=self.buffer,
-                                      dataset=dataset, model_path=cfg.model.hf_path,
-                                      decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+                                      dataset=dataset, model_path=cfg.model.hf_path, tokenizer=self.tokenizer)
         urls = self.runtime.start()
         logger.info("engines up: %s", urls)
         return urls

@@ -29,6 +29,7 @@ class Sample:
     finish_reason: str = "stop"  # stop | length (abort never reaches training)
     reward_failed: bool = False
     num_resumes: int = 0  # times generation was aborted at a push and resumed from its prefix
+    response_mask: Optional[list[int]] = None  # multi-turn: 1 = model token (trained), 0 = observation
 
     def __post_init__(self) -> None:
         if len(self.behavior_logprobs) != len(self.response_ids):
@@ -36,6 +37,9 @@ class Sample:
                 f"sample has {len(self.response_ids)} response tokens but "
                 f"{len(self.behavior_logprobs)} behavior logprobs"
             )
+        if self.response_mask is not None and len(self.response_mask) != len(self.response_ids):
+            raise ValueError(f"sample has {len(self.response_ids)} response tokens but "
+                             f"{len(self.response_mask)} response mask entries")
         if self.token_versions is not None and len(self.token_versions) != len(self.response_ids):
             raise ValueError(f"sample has {len(self.response_ids)} response tokens but "
                              f"{len(self.token_versions)} token versions")
@@ -74,7 +78,7 @@ def collate(samples: Sequence[Sample], *, pad_id: int, advantages: Optional[torc
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         tokens[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
-        mask[i, p : p + r] = 1.0
+        mask[i, p : p + r] = 1.0 if s.response_mask is None else torch.tensor(s.response_mask, dtype=torch.float32)
         behavior[i, p : p + r] = torch.tensor(s.behavior_logprobs, dtype=torch.float32)
     batch = {
         "tokens": tokens,

@@ -383,14 +383,65 @@ class WeightSyncConfig(_Section):
     bucket_mb: int = 512
     """Size of one transfer bucket, in MiB."""
     probe: bool = True
-    """After each sync, compare engine logprobs on a fixed probe with the trainer's."""
+    """After each sync, score fixed token sequences teacher-forced on every synced engine and on the
+    trainer; the report carries max and mean |Δ logprob| (logged as train_infer_logprob_diff)."""
     probe_threshold: float = 0.05
-    """Max mean |Δ logprob| per token the probe tolerates before raising."""
+    """Max mean |Δ logprob| per token the probe tolerates before raising WeightSyncError (fp32 gives
+    ~1e-5, bf16 ~1e-2; wrong or partial weights give O(1))."""
+    max_resync: int = 1
+    """An engine that failed midway (it may hold part of the buckets) and still answers is re-synced
+    from scratch up to this many times; 0 = never. Engines that stay failed are taken out of service."""
+    fail_fast: bool = False
+    """Raise WeightSyncError (naming the engine and the step) when an engine is taken out of service;
+    false = carry on with the others and list it in SyncReport.failed_urls. A sync that leaves no
+    engine serving the new weights always raises."""
 
     def validate(self) -> None:
         self._one_of("transport", WEIGHT_TRANSPORTS)
         self._at_least("bucket_mb", 1)
         self._positive("probe_threshold")
+        self._at_least("max_resync", 0)
+
+
+@dataclass
+class AgenticConfig(_Section):
+    _section: ClassVar[str] = "agentic"
+
+    env: str = ""
+    """Environment name (frozenlake, sokoban, calculator, yours) or "module:Class"; empty = RLVR
+    (single-turn prompts from `data`). With an env, rollout.n_samples_per_prompt is the group size:
+    that many episodes of the same env seed form one group."""
+    env_params: Dict[str, Any] = field(default_factory=dict)
+    """Keyword parameters passed verbatim to the environment, e.g. {size: 4, max_steps: 8}."""
+    max_turns: int = 8
+    """Model turns per episode; the episode ends (done=false) after the last one."""
+    max_tokens_per_turn: int = 32
+    """Longest model reply in one turn, in tokens."""
+    max_episode_tokens: int = 256
+    """Model + observation tokens after the first prompt. An observation that would exceed it ends
+    the episode (counted as truncated; its tokens are not added)."""
+    redundancy: int = 0
+    """Extra episodes per group: group_size + redundancy start, the first group_size to finish form
+    the group, the rest are cancelled (their engine requests aborted)."""
+    reset_timeout_s: float = 60.0
+    """An env reset taking longer fails the episode (counted; the run continues)."""
+    step_timeout_s: float = 60.0
+    """An env step taking longer fails the episode (counted; the run continues)."""
+    system_prompt: str = ""
+    """Optional system message before the first observation (rendered with the chat template)."""
+    latency: Dict[str, Any] = field(default_factory=dict)
+    """Latency/failure injection for tests and benchmarks, e.g. {step_latency: {dist: normal,
+    mean_s: 0.05, std_s: 0.05}, failure_prob: 0.01}; empty = none."""
+    seed: int = 0
+    """First environment seed; group g uses seed + (its dataset index)."""
+
+    def validate(self) -> None:
+        for name in ("max_turns", "max_tokens_per_turn", "max_episode_tokens"):
+            self._at_least(name, 1)
+        self._at_least("redundancy", 0)
+        self._positive("reset_timeout_s")
+        self._positive("step_timeout_s")
+        self._at_least("seed", 0)
 
 
 @dataclass
@@ -489,6 +540,8 @@ class RunConfig:
     """Trainer → engine weight updates."""
     data: DataConfig = field(default_factory=DataConfig)
     """Prompt source."""
+    agentic: AgenticConfig = field(default_factory=AgenticConfig)
+    """Multi-turn environments (empty env = single-turn RLVR)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics and run directory."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -508,6 +561,11 @@ class RunConfig:
             raise ValueError(
                 f"trainer.global_batch_size must be divisible by rollout.n_samples_per_prompt={n} "
                 f"(an optimizer step holds whole prompt groups), got {trainer.global_batch_size}"
+            )
+        if self.agentic.env and self.agentic.max_episode_tokens >= trainer.max_seq_len:
+            raise ValueError(
+                f"agentic.max_episode_tokens must be < trainer.max_seq_len={trainer.max_seq_len} "
+                f"(the first observation needs room), got {self.agentic.max_episode_tokens}"
             )
         if rollout.max_new_tokens >= trainer.max_seq_len:
             raise ValueError(

@@ -91,9 +91,11 @@ class RolloutRuntime:
     """Start with `start()` (blocks until engines are healthy), stop with `stop()`."""
 
     def __init__(self, cfg: Any, *, run_dir: str, staleness: StalenessManager, buffer: SampleBuffer,
-                 dataset: Any, decode: Callable[[list[int]], str], model_path: str) -> None:
+                 dataset: Any, tokenizer: Any, model_path: str) -> None:
         self.cfg, self.run_dir, self.staleness, self.buffer = cfg, run_dir, staleness, buffer
-        self.dataset, self.decode, self.model_path = dataset, decode, model_path
+        self.dataset, self.tokenizer, self.model_path = dataset, tokenizer, model_path
+        self.decode: Callable[[list[int]], str] = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        self.group_runner: Any = None
         self.launcher: Any = None
         self.urls: list[str] = []
         self.scheduler: Optional[RolloutScheduler] = None
@@ -149,6 +151,14 @@ class RolloutRuntime:
                     buffer=self.buffer, staleness=self.staleness, settings=settings, decode=self.decode)
                 if self.dump is not None:
                     self.scheduler.on_group = self.dump.write
+                if cfg.agentic.env:
+                    from megatron_flash.agentic.env_manager import EnvGroupRunner
+
+                    self.group_runner = EnvGroupRunner(
+                        agentic_cfg=cfg.agentic, proxy=proxy, tokenizer=self.tokenizer,
+                        sampling_params=sampling_params(cfg.rollout), max_seq_len=cfg.trainer.max_seq_len,
+                        version_fn=lambda: self.staleness.version, max_resumes=cfg.rollout.max_resumes)
+                    self.scheduler.group_runner = self.group_runner
                 self._ready.set()
                 await self.scheduler.run()
         finally:
@@ -182,6 +192,8 @@ class RolloutRuntime:
             idle = [e.idle_fraction for e in m.engines if e.healthy]
             out = {"engine_idle_frac": sum(idle) / len(idle) if idle else 1.0,
                    "engines_healthy": float(sum(e.healthy for e in m.engines)), "proxy_retried": float(m.retried)}
+            if self.group_runner is not None:
+                out.update(self.group_runner.stats.take().as_metrics())
             return stats, out
 
         try:

@@ -84,6 +84,7 @@ class RolloutScheduler:
         self._wake: Optional[asyncio.Event] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.on_group: Optional[Callable[[Group], None]] = None  # e.g. a GroupDump, before the buffer
+        self.group_runner: Any = None  # agentic: megatron_flash.agentic.env_manager.EnvGroupRunner
 
     # ------------------------------------------------------------------ called from other threads
     def requeue_prompt(self, group: Group, prompt: Any = None) -> None:
@@ -159,7 +160,10 @@ class RolloutScheduler:
         n = self.settings.n_samples_per_prompt
         t0 = time.monotonic()
         try:
-            if self.settings.prompt_replication or n == 1:
+            if self.group_runner is not None:  # multi-turn episodes; rewards come from the env
+                samples = await self.group_runner.run_group(group_id=group_id, prompt=prompt, version=version,
+                                                            group_size=n)
+            elif self.settings.prompt_replication or n == 1:
                 samples = await asyncio.gather(*[self._run_sample(prompt, group_id, i, version) for i in range(n)])
             else:
                 samples = await self._run_parallel(prompt, group_id, version)
@@ -167,6 +171,9 @@ class RolloutScheduler:
             self.staleness.on_drop(n, reason="cancelled")
             raise
         except Exception as e:  # engine failure after the proxy's retries: re-queue the prompt
+            if type(e).__name__ == "GroupDropped":  # its episodes failed (counted there): no retry
+                self.staleness.on_drop(n, reason="error")
+                return
             self.stats.engine_errors += 1
             self.staleness.on_drop(n, reason="cancelled" if self._stopping else "error")
             if not self._stopping:

@@ -78,7 +78,6 @@ class FakeProxy:
         ev = asyncio.Event()
         self.inflight[rid] = ev
         duration = self.latency(rid)
-        t0 = time.monotonic()
         try:
             await asyncio.wait_for(ev.wait(), timeout=duration)
             aborted = True
@@ -86,9 +85,8 @@ class FakeProxy:
             aborted = False
         finally:
             self.inflight.pop(rid, None)
-        if aborted:
-            done = min(len(ids), int(len(ids) * (time.monotonic() - t0) / max(duration, 1e-9)))
-            ids = ids[:done]
+        if aborted:  # a push cut it: half of its tokens were produced (deterministic for the tests)
+            ids = ids[:len(ids) // 2]
         return GenerateResult(rid=rid, output_ids=ids, output_logprobs=[-0.5] * len(ids),
                               finish_reason="abort" if aborted else ("length" if len(ids) == want else "stop"),
                               weight_version=str(version))
@@ -205,18 +203,21 @@ def test_alpha_zero_trains_exactly_what_a_synchronous_loop_trains() -> None:
 
 
 def test_pause_abort_resumes_from_the_prefix_with_per_token_versions() -> None:
-    # Every request takes 0.2 s; the push at ~0.1 s aborts them mid-way.
-    h = start(alpha=1, batch=4, n=2, proxy=FakeProxy(lambda rid: 0.2 if rid.endswith("-r0") else 0.01))
-    time.sleep(0.1)
+    # First segments would take 30 s: the push lands while all 8 admitted requests are in flight.
+    h = start(alpha=1, batch=4, n=2, proxy=FakeProxy(lambda rid: 30.0 if rid.endswith("-r0") else 0.01))
+    deadline = time.monotonic() + 10
+    while len(h.proxy.inflight) < 8 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(h.proxy.inflight) == 8
     h.proxy.push(1, abort=True)
     h.staleness.set_version(1)
     groups = h.buffer.take_batch(4, timeout_s=10, poll_s=0.005)
     h.scheduler.stop()
     h.thread.join(10)
-    for g in groups[:1]:
+    for g in groups:
         for s in g.samples:
             assert s.num_resumes == 1 and s.version_start == 0 and len(s.response_ids) == 6
-            assert s.token_versions is not None and s.token_versions[0] == 0 and s.token_versions[-1] == 1
+            assert s.token_versions == [0, 0, 0, 1, 1, 1]
     resumed = [(rid, ids) for rid, ids in h.proxy.requests if rid.endswith("-r1")]
     assert resumed
     for rid, ids in resumed:  # prompt + the generated prefix, as the first segment produced it

@@ -63,12 +63,12 @@ def test_config_starts_with_an_explaining_comment(path: Path) -> None:
 def test_quickstart_settings() -> None:
     cfg = load_config(REPO_ROOT / "configs" / "quickstart_cpu.yaml", [])
     expected = {
-        "model.hf_path": "runs/tiny_model", "parallel.tensor_model_parallel_size": 1,
-        "parallel.pipeline_model_parallel_size": 1, "trainer.micro_batch_size": 4,
-        "trainer.global_batch_size": 64, "optimizer.lr": 1e-3, "optimizer.name": "adam",
-        "loss.name": "ppo", "rollout.n_samples_per_prompt": 8, "rollout.max_new_tokens": 8,
+        "model.hf_path": "runs/quickstart/warm_model", "parallel.tensor_model_parallel_size": 1,
+        "parallel.pipeline_model_parallel_size": 1, "trainer.micro_batch_size": 128,
+        "trainer.global_batch_size": 128, "optimizer.lr": 1e-3, "optimizer.name": "adam",
+        "loss.name": "tis", "rollout.n_samples_per_prompt": 8, "rollout.max_new_tokens": 8,
         "data.task": "sort4", "engines.backend": "cpu", "engines.num_engines": 1,
-        "async_rl.alpha": 2, "logging.dir": "runs/quickstart", "model.dtype": "float32",
+        "async_rl.alpha": 2, "logging.dir": "runs/quickstart/rl", "model.dtype": "float32",
     }
     for key, value in expected.items():
         section, name = key.split(".")

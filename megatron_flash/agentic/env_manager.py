@@ -146,14 +146,16 @@ class EnvGroupRunner:
         self.max_resumes = max_resumes
         self.stats = AgenticStats()
 
-    def _make_env(self) -> Any:
+    def _make_env(self, seed: int) -> Any:
+        """A fresh env per episode (a timed-out threaded env is never reused); `seed` makes its
+        injected latencies reproducible per (env seed, episode index)."""
         from megatron_flash.agentic.registry import make_env
 
         env = make_env(self.cfg.env, **dict(self.cfg.env_params))
         if self.cfg.latency:
             from megatron_flash.agentic.wrappers import LatencyEnv
 
-            env = LatencyEnv.from_config(env, dict(self.cfg.latency))
+            env = LatencyEnv.from_config(env, dict(self.cfg.latency), seed=seed)
         return env
 
     # ------------------------------------------------------------------ one group
@@ -198,7 +200,7 @@ class EnvGroupRunner:
     async def _episode(self, prompt: SeedPrompt, group_id: int, index: int, version: int,
                        current: dict[int, str]) -> Sample:
         cfg = self.cfg
-        env = self._make_env()
+        env = self._make_env(prompt.seed * 1009 + index)
         try:
             try:
                 obs = await asyncio.wait_for(env.reset(prompt.seed), timeout=cfg.reset_timeout_s)

@@ -83,7 +83,7 @@ def runner(tokenizer, proxy, envs, **cfg) -> EnvGroupRunner:
     r = EnvGroupRunner(agentic_cfg=SimpleNamespace(**base), proxy=proxy, tokenizer=tokenizer,
                        sampling_params={"temperature": 1.0}, max_seq_len=256, version_fn=lambda: 0)
     it = iter(envs)
-    r._make_env = lambda: next(it)
+    r._make_env = lambda seed: next(it)
     return r
 
 

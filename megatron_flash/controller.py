@@ -273,7 +273,8 @@ class Controller:
         m: dict[str, Any] = {
             "version": self.version,
             "reward_mean": sum(s.reward for s in samples) / len(samples),
-            "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+            "response_len_mean": sum(len(s.response_ids) if s.response_mask is None else sum(s.response_mask)
+                                     for s in samples) / len(samples),  # model tokens only
             "staleness_mean": sum(lags) / len(lags), "staleness_max": max(lags),
             "dropped_stale": c.dropped_stale, "regenerated_stale": c.regenerated_stale,
             "dropped_filtered": c.dropped_filtered, "reward_failed": c.dropped_failed,

@@ -145,6 +145,7 @@ class EnvGroupRunner:
         self.version_fn = version_fn
         self.max_resumes = max_resumes
         self.stats = AgenticStats()
+        self.rollout_stats: Any = None  # the scheduler's RolloutStats: requests and tokens are counted there too
 
     def _make_env(self, seed: int) -> Any:
         """A fresh env per episode (a timed-out threaded env is never reused); `seed` makes its
@@ -295,6 +296,10 @@ class EnvGroupRunner:
             current[index] = seg_rid
             params = {**self.sampling_params, "max_new_tokens": max_new_tokens - len(out_ids)}
             res = await self.proxy.generate(input_ids + out_ids, params, rid=seg_rid)
+            if self.rollout_stats is not None:
+                self.rollout_stats.requests += 1
+                self.rollout_stats.tokens_generated += len(res.output_ids)
+                self.rollout_stats.resumes += int(attempt > 0)
             out_ids += list(res.output_ids)
             out_lps += list(res.output_logprobs or [])
             out_versions += [seg_version] * len(res.output_ids)

@@ -159,6 +159,7 @@ class RolloutRuntime:
                         sampling_params=sampling_params(cfg.rollout), max_seq_len=cfg.trainer.max_seq_len,
                         version_fn=lambda: self.staleness.version, max_resumes=cfg.rollout.max_resumes)
                     self.scheduler.group_runner = self.group_runner
+                    self.group_runner.rollout_stats = self.scheduler.stats
                 self._ready.set()
                 await self.scheduler.run()
         finally:

@@ -2,6 +2,9 @@
 
     python tools/make_tiny_model.py --out runs/tiny_model                     # llama, seed 0
     python tools/make_tiny_model.py --out /tmp/q3 --arch qwen3 --seed 3
+    python tools/make_tiny_model.py --out /tmp/big --hidden-size 1024 --intermediate-size 2816 \
+        --num-layers 22 --num-heads 16 --num-kv-heads 8      # ≈ 1 GB of fp32 weights (benchmarks)
+    python tools/make_tiny_model.py --out /tmp/big --num-layers 4 --hidden-size 256   # for benchmarks
 
 The tokenizer is a character-level BPE model trained with the `tokenizers` library on the symbols of
 the built-in synthetic tasks (digits, lower-case letters, a few separators), so one symbol is one
@@ -44,12 +47,14 @@ def build_tokenizer() -> Any:
     return tokenizer
 
 
-def hf_config(*, arch: str, vocab_size: int, tie: bool) -> dict[str, Any]:
+def hf_config(*, arch: str, vocab_size: int, tie: bool, num_layers: int = 2, hidden_size: int = 64) -> dict[str, Any]:
+    if hidden_size % 16:
+        raise ValueError(f"--hidden-size must be a multiple of 16 (4 heads of a multiple of 4), got {hidden_size}")
     common = {
         "vocab_size": vocab_size,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": num_layers,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "max_position_embeddings": 256,
@@ -69,10 +74,11 @@ def hf_config(*, arch: str, vocab_size: int, tie: bool) -> dict[str, Any]:
     if arch == "qwen2":
         return {**common, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
     return {**common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-            "head_dim": 16, "attention_bias": False}
+            "head_dim": hidden_size // 4, "attention_bias": False}
 
 
-def make_model(*, out: str, arch: str, seed: int, tie: bool | None) -> None:
+def make_model(*, out: str, arch: str, seed: int, tie: bool | None, num_layers: int = 2,
+               hidden_size: int = 64) -> None:
     import torch
     import transformers
 
@@ -81,7 +87,7 @@ def make_model(*, out: str, arch: str, seed: int, tie: bool | None) -> None:
     tie = (arch != "llama") if tie is None else tie
     tokenizer = build_tokenizer()
     vocab_size = tokenizer.get_vocab_size()
-    config_dict = hf_config(arch=arch, vocab_size=vocab_size, tie=tie)
+    config_dict = hf_config(arch=arch, vocab_size=vocab_size, tie=tie, num_layers=num_layers, hidden_size=hidden_size)
 
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
@@ -123,11 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory (replaced if it exists)")
     parser.add_argument("--arch", default="llama", choices=ARCHS)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--hidden-size", type=int, default=64, help="4 attention heads, 2 KV heads, MLP 2x hidden")
     tie = parser.add_mutually_exclusive_group()
     tie.add_argument("--tie-embeddings", dest="tie", action="store_true", default=None)
     tie.add_argument("--untie-embeddings", dest="tie", action="store_false")
     args = parser.parse_args(argv)
-    make_model(out=args.out, arch=args.arch, seed=args.seed, tie=args.tie)
+    make_model(out=args.out, arch=args.arch, seed=args.seed, tie=args.tie, num_layers=args.num_layers,
+               hidden_size=args.hidden_size)
     print(json.dumps({"out": os.path.abspath(args.out), "arch": args.arch, "seed": args.seed}))
     return 0
 

@@ -1,0 +1,586 @@
+"""Weight-sync bandwidth: how fast a state gets from the trainer process into an engine's tensors.
+
+    python tools/weight_sync/bench.py --transport ipc --size-mb 1024 --bucket-mb 256
+    python tools/weight_sync/bench.py --transport ipc --ipc-mode fresh --size-mb 1024   # bridge.py today
+    python tools/weight_sync/bench.py --transport broadcast --model-path runs/quickstart/tiny_model
+    python tools/weight_sync/bench.py --engine --transport ipc --size-mb 256             # WeightBridge → CPU server
+    python tools/weight_sync/bench.py --mode stream-memory --size-mb 256 --bucket-mb 16  # hf_buckets peak memory
+
+Transport mode (default): the sender holds a state of HF-named fp32 tensors (a fake Llama of
+≈ --size-mb, or the tensors of --model-path) in ordinary memory, as `hf_buckets` produces them; a
+receiver process holds its own preallocated tensors of the same names, as an engine does. One sync
+= every tensor copied from the sender's state into the receiver's tensors, buckets of --bucket-mb;
+it is timed from the first byte handled to the receiver's last acknowledgement.
+
+  ipc  --ipc-mode fresh   bridge.py's mechanics: each bucket's tensors go through ForkingPickler
+                          (file_system strategy), which moves every storage into a *new* shared-
+                          memory segment; the receiver unpickles (the CPU engine's allowlist
+                          unpickler), maps each segment and copies into its tensors.
+       --ipc-mode staged  --num-buffers persistent shared-memory buffers of --bucket-mb, written
+                          once at setup so their pages exist; the sender copies tensor bytes into a
+                          free buffer (large tensors in pieces) and hands the buffer over
+                          (ForkingPickler, a handle only) while it fills the next one; the receiver
+                          copies out and acknowledges. Maps a buffer once if it keeps a reference.
+  broadcast               a 2-rank gloo group (process_group.new_weight_update_group, as the
+                          bridge); names are announced, then one broadcast per tensor straight into
+                          the receiver's tensors.
+  disk                    safetensors files (one per bucket) in --disk-dir, then the receiver loads
+                          each file and copies into its tensors (bridge: export, then load).
+
+The same run measures this machine's memcpy (`dst.copy_(src)` of the state's size, best of
+--repeats) and reports gbps = state bytes / median sync seconds, ratio_to_memcpy, and each side's
+peak extra memory: VmHWM after the sync minus VmRSS before it, with VmHWM reset through
+/proc/self/clear_refs (shared-memory pages a process maps count in its RSS). The receiver sends a
+checksum of what it received; `verified` says it equals the sender's.
+
+--engine: a Megatron policy (one process) built from --model-path, or from a Llama of ≈ --size-mb
+written with tools/make_tiny_model.py, synced to a real CPU engine server with WeightBridge; the
+time is SyncReport.seconds (pause, buckets, flush, resume, version check).
+--mode stream-memory: peak extra memory while iterating `hf_buckets` of such a policy, against one
+bucket plus the largest parameter.
+
+Prints one JSON object as its last stdout line. Run with OMP_NUM_THREADS=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import collections
+import hashlib
+import io
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any, Iterator, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+warnings.filterwarnings("ignore")
+
+MB = 2**20
+
+
+# ---------------------------------------------------------------------- memory probes
+def proc_status(pid: int | str = "self") -> dict[str, float]:
+    """VmRSS / VmHWM / RssShmem of a process, in MB."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssShmem"):
+                out[key] = int(value.split()[0]) / 1024
+    return out
+
+
+def reset_peak(pid: int | str = "self") -> bool:
+    """Reset VmHWM to the current RSS (Linux ≥ 4.0); False where that is not allowed."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakProbe:
+    """Peak RSS increase over a region: VmHWM at the end minus VmRSS at the start."""
+
+    def __init__(self, pid: int | str = "self") -> None:
+        self.pid = pid
+        self.exact = reset_peak(pid)
+        self.before = proc_status(pid)["VmRSS"]
+
+    def extra_mb(self) -> float:
+        return round(proc_status(self.pid)["VmHWM"] - self.before, 1)
+
+
+# ---------------------------------------------------------------------- states
+def llama_shapes(size_mb: float) -> list[tuple[str, tuple[int, ...]]]:
+    """HF names and shapes of a fake Llama whose fp32 weights total ≈ size_mb."""
+    hidden = 64 if size_mb < 2 else 256 if size_mb < 64 else 512 if size_mb < 256 else 1024
+    inter, vocab = hidden * 11 // 4, 32 * hidden if hidden >= 1024 else 8 * hidden
+    layer = [("input_layernorm.weight", (hidden,)), ("self_attn.q_proj.weight", (hidden, hidden)),
+             ("self_attn.k_proj.weight", (hidden, hidden)), ("self_attn.v_proj.weight", (hidden, hidden)),
+             ("self_attn.o_proj.weight", (hidden, hidden)), ("post_attention_layernorm.weight", (hidden,)),
+             ("mlp.gate_proj.weight", (inter, hidden)), ("mlp.up_proj.weight", (inter, hidden)),
+             ("mlp.down_proj.weight", (hidden, inter))]
+    per_layer = sum(math.prod(s) for _, s in layer) * 4 / MB
+    fixed = (2 * vocab * hidden + hidden) * 4 / MB
+    num_layers = max(1, round((size_mb - fixed) / per_layer))
+    shapes = [("model.embed_tokens.weight", (vocab, hidden))]
+    shapes += [(f"model.layers.{i}.{n}", s) for i in range(num_layers) for n, s in layer]
+    return shapes + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+
+
+def make_state(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    if args.model_path:
+        from safetensors.torch import load_file
+
+        files = sorted(f for f in os.listdir(args.model_path) if f.endswith(".safetensors"))
+        if not files:
+            raise ValueError(f"--model-path {args.model_path!r} has no *.safetensors files")
+        state = {}
+        for name in files:
+            state.update(load_file(os.path.join(args.model_path, name)))
+        return {k: v.contiguous() for k, v in state.items()}
+    gen = torch.Generator().manual_seed(0)
+    return {name: torch.randn(shape, generator=gen) for name, shape in llama_shapes(args.size_mb)}
+
+
+def checksum(state: dict[str, Any]) -> str:
+    """Exact, order-independent per tensor: integer sum of the raw words, hashed with the names."""
+    import torch
+
+    words = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].contiguous().view(-1)
+        digest.update(f"{name}:{int(t.view(words[t.element_size()]).sum(dtype=torch.int64))};".encode())
+    return digest.hexdigest()[:16]
+
+
+def bucket_plan(state: dict[str, Any], bucket_bytes: int) -> list[list[str]]:
+    """Names per bucket, closed as soon as it reaches bucket_bytes (as `hf_buckets`)."""
+    plan, current, size = [], [], 0
+    for name, t in state.items():
+        current.append(name)
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            plan.append(current)
+            current, size = [], 0
+    return plan + ([current] if current else [])
+
+
+def staged_plan(state: dict[str, Any], buffer_bytes: int) -> list[list[tuple[str, int]]]:
+    """Whole tensors packed into buffers of buffer_bytes: lists of (name, byte offset in the buffer).
+    Offsets are 64-byte aligned so every view is aligned for its dtype."""
+    plan: list[list[tuple[str, int]]] = []
+    current: list[tuple[str, int]] = []
+    used = 0
+    for name, t in state.items():
+        n = t.numel() * t.element_size()
+        if current and used + n > buffer_bytes:
+            plan.append(current)
+            current, used = [], 0
+        current.append((name, used))
+        used += -(-n // 64) * 64
+    return plan + ([current] if current else [])
+
+
+def staged_buffer_bytes(state: dict[str, Any], bucket_bytes: int) -> int:
+    """A bucket, but at least the largest tensor (engines take whole tensors) and at most the state."""
+    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in state.values()]
+    return max(min(bucket_bytes, sum(sizes)), max(sizes))
+
+
+class Memcpy:
+    """This machine's copy bandwidth for `nbytes` (`dst.copy_(src)`, one thread, pages already
+    present); sampled again before every sync so that both see the same load on a shared box."""
+
+    def __init__(self, nbytes: int) -> None:
+        import torch
+
+        self.nbytes = nbytes
+        self.src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+        self.dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+        self.best = float("inf")
+        for _ in range(3):
+            self.sample()
+
+    def sample(self) -> None:
+        t0 = time.perf_counter()
+        self.dst.copy_(self.src)
+        self.best = min(self.best, time.perf_counter() - t0)
+
+    def gbps(self) -> float:
+        return self.nbytes / self.best / 1e9
+
+    def release(self) -> None:
+        del self.src, self.dst
+
+
+# ---------------------------------------------------------------------- receiver process
+def receiver_main(conn: Any, shapes: list[tuple[str, tuple[int, ...], str]], transport: str, options: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from megatron_flash.rollout.cpu_engine import safe_deserialize
+
+    torch.set_num_threads(1)
+    mp.set_sharing_strategy("file_system")
+    tensors = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, s, d in shapes}  # zeros: pages exist
+    group, kept, probe = None, {}, None
+    if transport == "broadcast":
+        from megatron_flash.weight_sync.process_group import new_weight_update_group
+
+        group = new_weight_update_group(master_address="127.0.0.1", master_port=options["port"], rank=1,
+                                        world_size=2, group_name="mf_bench")
+    conn.send(("ready", os.getpid()))
+    while True:
+        kind, *body = conn.recv()
+        if kind == "begin":
+            probe = PeakProbe()
+        elif kind == "fresh":  # bridge.py / CPU engine: unpickle the bucket, copy each tensor
+            for name, t in safe_deserialize(body[0]):
+                tensors[name].copy_(t)
+            conn.send(("ack",))
+        elif kind == "staged":  # same payload format as fresh: (name, tensor) views of one shared buffer
+            index, payload = body
+            named = safe_deserialize(payload)
+            for name, t in named:
+                tensors[name].copy_(t)
+            if options.get("keep_mapping"):
+                kept[index] = named  # while referenced, torch's shared cache maps the buffer only once
+            del named
+            conn.send(("ack", index))
+        elif kind == "broadcast":
+            handles = [dist.broadcast(tensors[n], src=0, group=group, async_op=True) for n in body[0]]
+            for handle in handles:
+                handle.wait()
+            conn.send(("ack",))
+        elif kind == "disk":
+            from safetensors.torch import load_file
+
+            for path in body[0]:
+                for name, t in load_file(path).items():
+                    tensors[name].copy_(t)
+            conn.send(("ack",))
+        elif kind == "end":
+            conn.send(("stats", {"peak_extra_mb": probe.extra_mb() if probe else None, "checksum": checksum(tensors)}))
+        elif kind == "stop":
+            break
+    if group is not None:
+        dist.destroy_process_group(group)
+
+
+# ---------------------------------------------------------------------- sender side of each transport
+class Sender:
+    def __init__(self, args: argparse.Namespace, conn: Any) -> None:
+        self.args, self.conn = args, conn
+        self.bucket_bytes = max(1, int(args.bucket_mb * MB))
+        self.group: Any = None
+        self.buffers: list[Any] = []
+        self.disk_dir = ""
+
+    def setup(self, state: dict[str, Any], port: int) -> None:
+        import torch
+
+        if self.args.transport == "broadcast":
+            from megatron_flash.weight_sync.process_group import new_weight_update_group
+
+            self.group = new_weight_update_group(master_address="127.0.0.1", master_port=port, rank=0,
+                                                 world_size=2, group_name="mf_bench")
+        elif self.args.transport == "ipc" and self.args.ipc_mode == "staged":
+            size = staged_buffer_bytes(state, self.bucket_bytes)
+            # share_memory_() then fill_: the pages exist before the first sync (a fresh segment
+            # faults every page on first touch, ~1.4 GB/s here, which is what `fresh` pays each bucket).
+            self.buffers = [torch.empty(size, dtype=torch.uint8).share_memory_().fill_(0)
+                            for _ in range(self.args.num_buffers)]
+        elif self.args.transport == "disk":
+            self.disk_dir = tempfile.mkdtemp(prefix="mf_bench_", dir=self.args.disk_dir or None)
+
+    def _wait_ack(self) -> Any:
+        reply = self.conn.recv()
+        assert reply[0] == "ack", reply
+        return reply
+
+    def sync(self, state: dict[str, Any]) -> None:
+        transport = self.args.transport
+        if transport == "ipc" and self.args.ipc_mode == "staged":
+            return self._sync_staged(state)
+        plan = bucket_plan(state, self.bucket_bytes)
+        if transport == "disk":
+            from safetensors.torch import save_file
+
+            paths = []
+            for i, names in enumerate(plan):
+                paths.append(os.path.join(self.disk_dir, f"bucket-{i:05d}.safetensors"))
+                save_file({n: state.pop(n) for n in names}, paths[-1])
+            self.conn.send(("disk", paths))
+            self._wait_ack()
+            return None
+        for names in plan:
+            bucket = [(n, state.pop(n)) for n in names]  # dropped after the ack, as the bridge does
+            if transport == "broadcast":
+                import torch.distributed as dist
+
+                self.conn.send(("broadcast", names))  # the bridge's announce (HTTP there)
+                for _, t in bucket:
+                    dist.broadcast(t, src=0, group=self.group)
+            else:
+                from multiprocessing.reduction import ForkingPickler
+
+                buf = io.BytesIO()
+                ForkingPickler(buf).dump(bucket)  # moves each storage into a new shared-memory segment
+                self.conn.send(("fresh", base64.b64encode(buf.getvalue()).decode()))
+            self._wait_ack()  # bridge: one blocking request per bucket
+        return None
+
+    def _sync_staged(self, state: dict[str, Any]) -> None:
+        from multiprocessing.reduction import ForkingPickler
+
+        free = collections.deque(range(len(self.buffers)))
+        in_flight = 0
+        for entries in staged_plan(state, self.buffers[0].numel()):
+            if not free:  # every buffer is with the receiver: wait for the oldest
+                free.append(self._wait_ack()[1])
+                in_flight -= 1
+            index = free.popleft()
+            buf, named = self.buffers[index], []
+            for name, offset in entries:
+                t = state.pop(name)
+                n = t.numel() * t.element_size()
+                view = buf[offset:offset + n].view(t.dtype).view(t.shape)
+                view.copy_(t)
+                named.append((name, view))
+            payload = io.BytesIO()
+            ForkingPickler(payload).dump(named)  # views of an already shared storage: a handle, no copy
+            self.conn.send(("staged", index, base64.b64encode(payload.getvalue()).decode()))
+            in_flight += 1
+        for _ in range(in_flight):
+            self._wait_ack()
+
+    def cleanup_after_sync(self) -> None:
+        if self.disk_dir:
+            for name in os.listdir(self.disk_dir):
+                os.remove(os.path.join(self.disk_dir, name))
+
+    def close(self) -> None:
+        if self.disk_dir:
+            shutil.rmtree(self.disk_dir, ignore_errors=True)
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self.group)
+
+
+def refreshed(state: dict[str, Any], rep: int) -> dict[str, Any]:
+    """New ordinary-memory copies with changed values, made before the timer starts (as `hf_buckets`
+    makes new tensors each sync); a sync consumes them. A stale receiver fails the checksum."""
+    out = {}
+    for name, t in state.items():
+        t = t.clone()
+        t.view(-1)[rep % t.numel()] += 1.0
+        out[name] = t
+    return out
+
+
+def run_transport(args: argparse.Namespace) -> dict[str, Any]:
+    import multiprocessing
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from megatron_flash.trainer.distributed import free_port
+
+    torch.set_num_threads(1)
+    mp.set_sharing_strategy("file_system")  # as bridge.py (file_descriptor crashes SGLang)
+    state = make_state(args)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    memcpy = Memcpy(nbytes)
+    shapes = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in state.items()]
+    port = free_port()
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    options = {"port": port, "keep_mapping": args.keep_mapping}
+    receiver = ctx.Process(target=receiver_main, args=(child, shapes, args.transport, options), daemon=True)
+    receiver.start()
+    sender = Sender(args, parent)
+    seconds, sender_peaks, receiver_peaks, verified = [], [], [], True
+    try:
+        t_setup = time.perf_counter()
+        sender.setup(state, port)
+        kind, receiver_pid = parent.recv()
+        setup_s = time.perf_counter() - t_setup
+        for rep in range(args.repeats):
+            sending = refreshed(state, rep)
+            want = checksum(sending)
+            memcpy.sample()
+            parent.send(("begin",))
+            probe = PeakProbe()
+            t0 = time.perf_counter()
+            sender.sync(sending)
+            seconds.append(time.perf_counter() - t0)
+            sender_peaks.append(probe.extra_mb())
+            sender.cleanup_after_sync()
+            parent.send(("end",))
+            _, stats = parent.recv()
+            receiver_peaks.append(stats["peak_extra_mb"])
+            verified = verified and stats["checksum"] == want
+        parent.send(("stop",))
+        receiver.join(60)
+    finally:
+        sender.close()
+        memcpy.release()
+        if receiver.is_alive():
+            receiver.kill()
+    median, memcpy_gbps = statistics.median(seconds), memcpy.gbps()
+    gbps = nbytes / median / 1e9
+    return {"mode": "transport", "transport": args.transport,
+            "ipc_mode": args.ipc_mode if args.transport == "ipc" else None,
+            "num_buffers": len(sender.buffers) or None,
+            "buffer_mb": round(sender.buffers[0].numel() / MB, 2) if sender.buffers else None,
+            "keep_mapping": bool(args.keep_mapping) if sender.buffers else None,
+            "size_mb": round(nbytes / MB, 2), "num_tensors": len(state), "bucket_mb": args.bucket_mb,
+            "repeats": args.repeats, "seconds": round(median, 4), "seconds_all": [round(s, 4) for s in seconds],
+            "setup_seconds": round(setup_s, 3), "gbps": round(gbps, 3), "gbps_best": round(nbytes / min(seconds) / 1e9, 3),
+            "memcpy_gbps": round(memcpy_gbps, 3), "ratio_to_memcpy": round(gbps / memcpy_gbps, 3),
+            "ratio_best": round(nbytes / min(seconds) / 1e9 / memcpy_gbps, 3), "peak_extra_mb": max(sender_peaks),
+            "receiver_peak_extra_mb": max(receiver_peaks), "peak_source": "VmHWM-VmRSS (clear_refs reset)",
+            "checksum": want, "verified": verified}
+
+
+# ---------------------------------------------------------------------- real policy: engine and stream-memory
+def model_for(args: argparse.Namespace, tmp: str) -> str:
+    """--model-path, or a Llama of ≈ --size-mb written with tools/make_tiny_model.py."""
+    if args.model_path:
+        return args.model_path
+    import subprocess
+
+    hidden = 256 if args.size_mb < 64 else 1024
+    inter, heads = hidden * 11 // 4, hidden // 64
+    per_layer_mb = (4 * hidden * hidden * 3 // 4 + 3 * hidden * inter) * 4 / MB  # GQA: kv heads = heads / 2
+    layers = max(2, round(args.size_mb / per_layer_mb))
+    out = os.path.join(tmp, "model")
+    subprocess.run([sys.executable, os.path.join(REPO, "tools", "make_tiny_model.py"), "--out", out,
+                    "--hidden-size", str(hidden), "--intermediate-size", str(inter), "--num-layers", str(layers),
+                    "--num-heads", str(heads), "--num-kv-heads", str(max(1, heads // 2))],
+                   check=True, capture_output=True)
+    return out
+
+
+def build_policy(model: str) -> Any:
+    from megatron_flash.config.schema import OptimizerConfig
+    from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
+
+    return MegatronPolicy(PolicySettings(hf_path=model, micro_batch_size=1, optimizer=OptimizerConfig(name="sgd", lr=0.1)))
+
+
+def model_bytes(policy: Any) -> int:
+    from megatron_flash.weight_sync.bridge import hf_buckets
+
+    return sum(t.numel() * t.element_size() for b in hf_buckets(policy, bucket_bytes=1 << 62) for _, t in b)
+
+
+def run_engine(args: argparse.Namespace) -> dict[str, Any]:
+    from megatron_flash.rollout.sglang_launcher import EngineLauncher
+    from megatron_flash.trainer.distributed import destroy_distributed, free_port
+    from megatron_flash.weight_sync.bridge import WeightBridge
+
+    tmp = tempfile.mkdtemp(prefix="mf_bench_engine_", dir=args.disk_dir or None)
+    launcher, memcpy = None, None
+    try:
+        model = model_for(args, tmp)
+        policy = build_policy(model)
+        nbytes = model_bytes(policy)
+        memcpy = Memcpy(nbytes)
+        launcher = EngineLauncher(backend="cpu", model_path=model, base_port=free_port(), run_dir=tmp,
+                                  startup_timeout_s=600)
+        launcher.__enter__()
+        engine_pid = launcher.pids()[0]
+        bridge = WeightBridge(policy, launcher.urls, transport=args.transport, bucket_mb=args.bucket_mb,
+                              disk_dir=os.path.join(tmp, "weights"))
+        seconds, peaks, engine_peaks, buckets = [], [], [], 0
+        for rep in range(args.repeats):
+            memcpy.sample()
+            probe, engine_probe = PeakProbe(), PeakProbe(engine_pid)
+            report = bridge.sync(rep + 1)  # the bridge checks every engine reports version rep + 1
+            seconds.append(report.seconds)
+            peaks.append(probe.extra_mb())
+            engine_peaks.append(engine_probe.extra_mb())
+            buckets = report.num_buckets
+    finally:
+        if launcher is not None:
+            launcher.__exit__(None, None, None)
+        if memcpy is not None:
+            memcpy.release()
+        destroy_distributed()
+        shutil.rmtree(tmp, ignore_errors=True)
+    median, memcpy_gbps = statistics.median(seconds), memcpy.gbps()
+    gbps = nbytes / median / 1e9
+    return {"mode": "engine", "transport": args.transport, "size_mb": round(nbytes / MB, 2), "bucket_mb": args.bucket_mb,
+            "num_buckets": buckets, "repeats": args.repeats, "seconds": round(median, 4),
+            "seconds_all": [round(s, 4) for s in seconds], "gbps": round(gbps, 3), "memcpy_gbps": round(memcpy_gbps, 3),
+            "ratio_to_memcpy": round(gbps / memcpy_gbps, 3), "peak_extra_mb": max(peaks),
+            "receiver_peak_extra_mb": max(engine_peaks), "peak_source": "VmHWM-VmRSS (clear_refs reset)",
+            "verified": "engine weight_version (tools/weight_sync/verify.py checks logprobs)"}
+
+
+def run_stream_memory(args: argparse.Namespace) -> dict[str, Any]:
+    import gc
+
+    from megatron_flash.trainer.distributed import destroy_distributed
+    from megatron_flash.weight_sync.bridge import hf_buckets
+
+    tmp = tempfile.mkdtemp(prefix="mf_bench_stream_", dir=args.disk_dir or None)
+    try:
+        policy = build_policy(model_for(args, tmp))
+        params = [p for _, p in policy.model.module.named_parameters()]
+        largest = max(p.numel() * p.element_size() for p in params) / MB
+        total = sum(p.numel() * p.element_size() for p in params) / MB
+        bucket_bytes = max(1, int(args.bucket_mb * MB))
+        peaks, biggest_bucket = [], 0.0
+        for _ in range(args.repeats):
+            gc.collect()
+            probe = PeakProbe()
+            for bucket in hf_buckets(policy, bucket_bytes=bucket_bytes):
+                biggest_bucket = max(biggest_bucket, sum(t.numel() * t.element_size() for _, t in bucket) / MB)
+                del bucket  # the bridge drops a bucket once it is sent
+            peaks.append(probe.extra_mb())
+    finally:
+        destroy_distributed()
+        shutil.rmtree(tmp, ignore_errors=True)
+    bound = args.bucket_mb + 2 * largest
+    return {"mode": "stream-memory", "model_mb": round(total, 2), "bucket_mb": args.bucket_mb,
+            "largest_param_mb": round(largest, 2), "largest_bucket_mb": round(biggest_bucket, 2),
+            "peak_extra_mb": max(peaks), "bound_mb": round(bound, 2), "within_bound": max(peaks) <= bound,
+            "peak_source": "VmHWM-VmRSS (clear_refs reset)"}
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", default="transport", choices=["transport", "stream-memory"])
+    p.add_argument("--engine", action="store_true", help="WeightBridge → a real CPU engine server")
+    p.add_argument("--transport", default="ipc", choices=["ipc", "broadcast", "disk"])
+    p.add_argument("--ipc-mode", default="staged", choices=["staged", "fresh"],
+                   help="staged: persistent shared-memory buffers; fresh: bridge.py today")
+    p.add_argument("--num-buffers", type=int, default=2, help="staged buffers (2: fill one while the other is read)")
+    p.add_argument("--keep-mapping", type=int, default=1, choices=[0, 1],
+                   help="staged: the receiver keeps its buffer handles (1) or drops them after each bucket (0)")
+    p.add_argument("--size-mb", type=float, default=64.0, help="state size (ignored with --model-path)")
+    p.add_argument("--model-path", default="", help="HF model directory: its tensors are the state")
+    p.add_argument("--bucket-mb", type=float, default=64.0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--disk-dir", default="", help="where disk files and temporary models go (default: $TMPDIR)")
+    args = p.parse_args(argv)
+    if args.size_mb <= 0 or args.bucket_mb <= 0 or args.repeats < 1 or args.num_buffers < 1:
+        p.error("--size-mb, --bucket-mb, --repeats and --num-buffers must be positive")
+    if args.model_path and not os.path.isdir(args.model_path):
+        p.error(f"--model-path {args.model_path!r} is not a directory")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.mode == "stream-memory":
+        result = run_stream_memory(args)
+    elif args.engine:
+        result = run_engine(args)
+    else:
+        result = run_transport(args)
+    print(json.dumps(result))
+    return 0 if result.get("verified", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,6 +26,7 @@ replayed from a dump, no engines).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -61,6 +62,9 @@ class Controller:
         self.tracker: Any = None
         self.replay: list[Group] = []
         self.rank = 0
+        self.start_step = 0
+        self.preempted = False
+        self._resume: Optional[dict[str, Any]] = None  # rank 0: the checkpoint's rollout state
         self._ctrl_group: Any = None
         self._totals: dict[str, float] = {}
 
@@ -70,7 +74,7 @@ class Controller:
         summary: dict[str, Any] = {}
         error: Optional[BaseException] = None
         try:
-            for step in range(self.cfg.trainer.total_steps):
+            for step in range(self.start_step, self.cfg.trainer.total_steps):
                 t0 = time.monotonic()
                 groups = self.next_batch()                                # rank 0 waits on the buffer
                 t_wait = time.monotonic() - t0
@@ -80,6 +84,9 @@ class Controller:
                 sync_metrics = self.push_weights()                        # pause → send → resume; V += 1
                 summary = self.log(step, groups, batch, train_metrics, sync_metrics,
                                    t_wait=t_wait, t_train=t_train, t_step=time.monotonic() - t0)
+                if self.maybe_checkpoint(step):                           # every N steps; SIGTERM: save, stop
+                    self.preempted = True
+                    break
         except BaseException as e:
             error = e
             raise
@@ -95,11 +102,14 @@ class Controller:
         os.makedirs(self.run_dir, exist_ok=True)
         torch.manual_seed(cfg.trainer.seed)
         self.loss, self.loss_fn = _build_loss(cfg)
+        self.staleness = StalenessManager(alpha=cfg.async_rl.alpha, batch_size=self.batch_size,
+                                          extra=cfg.rollout.extra_prompts * cfg.rollout.n_samples_per_prompt)
         if self.mode != "rollout_only":
             self.policy = _build_policy(cfg)
             self.rank = self.policy.layout.rank
             if self.policy.layout.world_size > 1:  # control messages (batches, stop) go over gloo
                 self._ctrl_group = dist.new_group(backend="gloo")
+            self._maybe_resume()
         if self.rank == 0:
             with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
                 f.write(config_to_yaml(cfg))
@@ -109,8 +119,6 @@ class Controller:
 
         self.tracker = Tracker(self.run_dir, cfg.logging, total_steps=cfg.trainer.total_steps,
                                config=_as_dict(cfg), rank=self.rank)
-        self.staleness = StalenessManager(alpha=cfg.async_rl.alpha, batch_size=self.batch_size,
-                                          extra=cfg.rollout.extra_prompts * cfg.rollout.n_samples_per_prompt)
         if self.mode == "train_only":
             from megatron_flash.rollout.runtime import read_group_dump
 
@@ -132,8 +140,57 @@ class Controller:
             self.bridge = WeightBridge(self.policy, urls, transport=ws.transport, bucket_mb=ws.bucket_mb,
                                        pause_mode=cfg.rollout.pause_mode, api_key=cfg.engines.api_key,
                                        disk_dir=default_disk_dir(self.run_dir))
+            if self.version > 0:  # resumed: engines start from model.hf_path, the trainer is at V
+                self.bridge.sync(self.version)
+        if self.rank == 0:  # engines hold the trainer's weights: rollout may start
+            restore = self._resume
+            if restore is not None:
+                self.buffer.restore(restore["buffer"])
+            self.runtime.start_rollout(restore=restore)
+        _install_sigterm_flag()  # after the launcher's own handler, which it chains to on a second signal
+
+    # ================================================================== checkpoints
+    def _maybe_resume(self) -> None:
+        from megatron_flash.trainer import checkpoint as ckpt
+
+        c = self.cfg.checkpoint
+        path = ckpt.latest_checkpoint(c.save_dir) if c.resume else None
+        if path is None:
+            if self.rank == 0 and c.resume:
+                logger.info("checkpoint.resume: no checkpoint under %s yet; starting fresh", c.save_dir)
+            return
+        meta, rollout = ckpt.load(self.policy, path)
+        self.start_step, self.version = meta["step"] + 1, meta["version"]
+        self.staleness.restore(version=self.version, consumed=self.version * self.batch_size)
+        self._resume = rollout
+        if self.rank == 0:
+            _truncate_ledger(os.path.join(self.run_dir, LEDGER), keep_through=meta["step"])
+            logger.info("resumed from %s: step %d done, policy version %d", path, meta["step"], self.version)
+
+    def maybe_checkpoint(self, step: int) -> bool:
+        """Save every checkpoint.save_interval steps, and when SIGTERM arrived on any rank (then
+        returns True: the run stops after saving). Collective over the trainer ranks."""
+        c = self.cfg.checkpoint
+        stop = _SIGTERM["seen"]
+        if self._ctrl_group is not None:
+            flag = torch.tensor([1 if stop else 0])
+            dist.all_reduce(flag, group=self._ctrl_group)
+            stop = bool(flag.item())
+        due = c.save_interval > 0 and (step + 1) % c.save_interval == 0
+        if (due or stop) and c.save_dir and self.mode == "full":
+            from megatron_flash.trainer import checkpoint as ckpt
+
+            t0 = time.monotonic()
+            rollout = self.runtime.snapshot() if self.rank == 0 else None
+            path = ckpt.save(self.policy, c.save_dir, step=step, version=self.version, rollout_state=rollout,
+                             group=self._ctrl_group)
+            if self.rank == 0:
+                logger.info("checkpoint %s (%.2f s)%s", path, time.monotonic() - t0,
+                            "; stopping on SIGTERM" if stop else "")
+        return stop
 
     def _start_rollout(self) -> list[str]:
+        """Rank 0: dataset, buffer, engines (healthy); the rollout thread starts later."""
         from megatron_flash.rollout.dataset import PromptDataset
         from megatron_flash.rollout.runtime import RolloutRuntime
 
@@ -147,7 +204,7 @@ class Controller:
         self.buffer = SampleBuffer(self.staleness, stale_policy=cfg.async_rl.stale_policy, on_evict=self._on_evict)
         self.runtime = RolloutRuntime(cfg, run_dir=self.run_dir, staleness=self.staleness, buffer=self.buffer,
                                       dataset=dataset, model_path=cfg.model.hf_path, tokenizer=self.tokenizer)
-        urls = self.runtime.start()
+        urls = self.runtime.start_engines()
         logger.info("engines up: %s", urls)
         return urls
 
@@ -158,7 +215,7 @@ class Controller:
     def shutdown(self, error: Optional[BaseException]) -> None:
         if self.runtime is not None:
             self.runtime.stop()
-        if self.policy is None:
+        if self.policy is None or self.preempted:
             pass
         elif error is None and self.cfg.checkpoint.save_hf_at_end:
             out = os.path.join(self.cfg.checkpoint.save_dir or self.run_dir, "final_hf")
@@ -296,6 +353,9 @@ class Controller:
         m.setdefault("train_infer_logprob_diff", None)  # neither a probe nor fresh samples this step
         m.update(train_metrics)
         self.tracker.log(step, m)
+        with open(os.path.join(self.run_dir, LEDGER), "a") as f:  # which prompts each step trained
+            f.write(json.dumps({"step": step, "version": self.version,
+                                "prompt_indices": sorted(g.prompt_index for g in groups)}) + "\n")
         return m
 
     # ================================================================== plumbing
@@ -305,6 +365,44 @@ class Controller:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self._ctrl_group)
         return box[0]
+
+
+LEDGER = "trained_prompts.jsonl"
+_SIGTERM = {"seen": False}
+
+
+def _install_sigterm_flag() -> None:
+    """SIGTERM (Slurm pre-emption, torchrun stopping) → save at the end of this step and stop."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum: int, frame: Any) -> None:
+        if _SIGTERM["seen"] and callable(previous):  # a second SIGTERM: stop now (engines too)
+            previous(signum, frame)
+            return
+        if _SIGTERM["seen"]:
+            raise SystemExit(128 + signum)
+        _SIGTERM["seen"] = True
+        logger.warning("SIGTERM: checkpointing at the end of this step, then stopping (again to stop now)")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _truncate_ledger(path: str, *, keep_through: int) -> None:
+    """Drop ledger lines of steps after the checkpoint (they will be trained again)."""
+    import json
+
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_through]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
 
 
 def _picklable(obj: Any) -> bool:

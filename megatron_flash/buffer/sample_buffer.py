@@ -47,6 +47,19 @@ class SampleBuffer:
             self._is_closed, self._closed = True, error
             self._cond.notify_all()
 
+    def snapshot(self) -> list[Group]:
+        """The buffered groups (for a checkpoint); the buffer keeps them."""
+        with self._cond:
+            return list(self._groups)
+
+    def restore(self, groups: list[Group]) -> None:
+        """Put checkpointed groups back (before the producer starts); they count as outstanding."""
+        with self._cond:
+            self._groups.extend(groups)
+            self.staleness.counters.outstanding += sum(len(g) for g in groups)
+            self.staleness.counters.submitted += sum(len(g) for g in groups)
+            self._cond.notify_all()
+
     # ------------------------------------------------------------------ consumer side
     def __len__(self) -> int:
         with self._cond:

@@ -105,13 +105,26 @@ class RolloutRuntime:
         self._proxy: Any = None
         self._ready = threading.Event()
         self._error: Optional[BaseException] = None
+        self._restore: Optional[dict[str, Any]] = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> list[str]:
+        self.start_engines()
+        self.start_rollout()
+        return self.urls
+
+    def start_engines(self) -> list[str]:
+        """Launch (or attach) the engines and wait until they are healthy."""
         from megatron_flash.rollout.sglang_launcher import EngineLauncher
 
         self.launcher = EngineLauncher.from_config(self.cfg.engines, model_path=self.model_path, run_dir=self.run_dir)
         self.urls = self.launcher.start()
+        return self.urls
+
+    def start_rollout(self, restore: Optional[dict[str, Any]] = None) -> None:
+        """Start the rollout thread (after the engines hold the right weights); `restore` is a
+        `snapshot()` from a checkpoint: the scheduler continues from it before admitting anything."""
+        self._restore = restore
         if self.cfg.rollout.dump_path or self.cfg.trainer.mode == "rollout_only":
             self.dump = GroupDump(self.cfg.rollout.dump_path or os.path.join(self.run_dir, "groups.jsonl"))
         self._thread = threading.Thread(target=self._thread_main, name="rollout", daemon=True)
@@ -120,7 +133,6 @@ class RolloutRuntime:
         if self._error is not None:
             self.stop()
             raise self._error
-        return self.urls
 
     def _thread_main(self) -> None:
         try:
@@ -160,6 +172,8 @@ class RolloutRuntime:
                         version_fn=lambda: self.staleness.version, max_resumes=cfg.rollout.max_resumes)
                     self.scheduler.group_runner = self.group_runner
                     self.group_runner.rollout_stats = self.scheduler.stats
+                if self._restore is not None:
+                    self.scheduler.restore(self._restore["scheduler"])
                 self._ready.set()
                 await self.scheduler.run()
         finally:
@@ -177,6 +191,14 @@ class RolloutRuntime:
             self.dump = None
 
     # ------------------------------------------------------------------ thread-safe views
+    def snapshot(self) -> dict[str, Any]:
+        """Rollout state for a checkpoint, taken on the loop thread (nothing moves meanwhile).
+        In-flight work is not saved: its prompts are, and are generated again after a resume."""
+        async def snap() -> dict[str, Any]:
+            return {"scheduler": self.scheduler.snapshot(), "buffer": self.buffer.snapshot()}
+
+        return asyncio.run_coroutine_threadsafe(snap(), self._loop).result(timeout=60)
+
     def requeue(self, group: Group) -> None:
         if self.scheduler is not None:
             self.scheduler.requeue_prompt(group)

@@ -85,6 +85,7 @@ class RolloutScheduler:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.on_group: Optional[Callable[[Group], None]] = None  # e.g. a GroupDump, before the buffer
         self.group_runner: Any = None  # agentic: megatron_flash.agentic.env_manager.EnvGroupRunner
+        self._inflight: dict[int, Any] = {}  # group id → its prompt, while the group is generating
 
     # ------------------------------------------------------------------ called from other threads
     def requeue_prompt(self, group: Group, prompt: Any = None) -> None:
@@ -126,6 +127,7 @@ class RolloutScheduler:
                 prompt = self._requeued.popleft() if self._requeued else self.dataset.next_prompt()
                 group_id = self._next_group_id
                 self._next_group_id += 1
+                self._inflight[group_id] = prompt
                 task = asyncio.create_task(self._run_group(prompt, group_id, version))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -154,7 +156,23 @@ class RolloutScheduler:
         try:
             await self._run_group_inner(prompt, group_id, version)
         finally:
+            self._inflight.pop(group_id, None)
             self.staleness.on_landed(version, self.settings.n_samples_per_prompt)
+
+    # ------------------------------------------------------------------ checkpoint (loop thread)
+    def snapshot(self) -> dict[str, Any]:
+        """What a resume needs to lose and duplicate no prompt: the dataset position and every prompt
+        taken from it but not yet in the buffer (in flight, or re-queued), oldest first. Call on the
+        loop thread (RolloutRuntime.snapshot does)."""
+        pending = [self._inflight[g] for g in sorted(self._inflight)] + list(self._requeued)
+        return {"dataset": self.dataset.state_dict(), "pending_prompts": pending,
+                "next_group_id": self._next_group_id}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Before run(): continue from a snapshot (pending prompts are generated again first)."""
+        self.dataset.load_state_dict(state["dataset"])
+        self._requeued = collections.deque(state["pending_prompts"])
+        self._next_group_id = int(state["next_group_id"])
 
     async def _run_group_inner(self, prompt: Any, group_id: int, version: int) -> None:
         n = self.settings.n_samples_per_prompt

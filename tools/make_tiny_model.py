@@ -2,8 +2,6 @@
 
     python tools/make_tiny_model.py --out runs/tiny_model                     # llama, seed 0
     python tools/make_tiny_model.py --out /tmp/q3 --arch qwen3 --seed 3
-    python tools/make_tiny_model.py --out /tmp/big --hidden-size 1024 --intermediate-size 2816 \
-        --num-layers 22 --num-heads 16 --num-kv-heads 8      # ≈ 1 GB of fp32 weights (benchmarks)
     python tools/make_tiny_model.py --out /tmp/big --num-layers 4 --hidden-size 256   # for benchmarks
 
 The tokenizer is a character-level BPE model trained with the `tokenizers` library on the symbols of

@@ -27,8 +27,9 @@ it is timed from the first byte handled to the receiver's last acknowledgement.
   disk                    safetensors files (one per bucket) in --disk-dir, then the receiver loads
                           each file and copies into its tensors (bridge: export, then load).
 
-The same run measures this machine's memcpy (`dst.copy_(src)` of the state's size, best of
---repeats) and reports gbps = state bytes / median sync seconds, ratio_to_memcpy, and each side's
+The same run measures this machine's memcpy (`dst.copy_(src)` of the state's size, one sample
+right before each sync) and reports gbps = state bytes / median sync seconds, ratio_to_memcpy
+(median sync vs median memcpy; ratio_best: best vs best), and each side's
 peak extra memory: VmHWM after the sync minus VmRSS before it, with VmHWM reset through
 /proc/self/clear_refs (shared-memory pages a process maps count in its RSS). The receiver sends a
 checksum of what it received; `verified` says it equals the sender's.
@@ -184,7 +185,8 @@ def staged_buffer_bytes(state: dict[str, Any], bucket_bytes: int) -> int:
 
 class Memcpy:
     """This machine's copy bandwidth for `nbytes` (`dst.copy_(src)`, one thread, pages already
-    present); sampled again before every sync so that both see the same load on a shared box."""
+    present), sampled right before every sync so both see the same load on a shared box: the
+    ratio compares the median sync with the median of these samples."""
 
     def __init__(self, nbytes: int) -> None:
         import torch
@@ -192,17 +194,19 @@ class Memcpy:
         self.nbytes = nbytes
         self.src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
         self.dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
-        self.best = float("inf")
-        for _ in range(3):
-            self.sample()
+        self.dst.copy_(self.src)  # warm-up
+        self.seconds: list[float] = []
 
     def sample(self) -> None:
         t0 = time.perf_counter()
         self.dst.copy_(self.src)
-        self.best = min(self.best, time.perf_counter() - t0)
+        self.seconds.append(time.perf_counter() - t0)
 
     def gbps(self) -> float:
-        return self.nbytes / self.best / 1e9
+        return self.nbytes / statistics.median(self.seconds) / 1e9
+
+    def gbps_best(self) -> float:
+        return self.nbytes / min(self.seconds) / 1e9
 
     def release(self) -> None:
         del self.src, self.dst
@@ -424,7 +428,7 @@ def run_transport(args: argparse.Namespace) -> dict[str, Any]:
         memcpy.release()
         if receiver.is_alive():
             receiver.kill()
-    median, memcpy_gbps = statistics.median(seconds), memcpy.gbps()
+    median, memcpy_gbps, memcpy_best = statistics.median(seconds), memcpy.gbps(), memcpy.gbps_best()
     gbps = nbytes / median / 1e9
     return {"mode": "transport", "transport": args.transport,
             "ipc_mode": args.ipc_mode if args.transport == "ipc" else None,
@@ -434,8 +438,9 @@ def run_transport(args: argparse.Namespace) -> dict[str, Any]:
             "size_mb": round(nbytes / MB, 2), "num_tensors": len(state), "bucket_mb": args.bucket_mb,
             "repeats": args.repeats, "seconds": round(median, 4), "seconds_all": [round(s, 4) for s in seconds],
             "setup_seconds": round(setup_s, 3), "gbps": round(gbps, 3), "gbps_best": round(nbytes / min(seconds) / 1e9, 3),
-            "memcpy_gbps": round(memcpy_gbps, 3), "ratio_to_memcpy": round(gbps / memcpy_gbps, 3),
-            "ratio_best": round(nbytes / min(seconds) / 1e9 / memcpy_gbps, 3), "peak_extra_mb": max(sender_peaks),
+            "memcpy_gbps": round(memcpy_gbps, 3), "memcpy_gbps_best": round(memcpy_best, 3),
+            "ratio_to_memcpy": round(gbps / memcpy_gbps, 4),
+            "ratio_best": round(nbytes / min(seconds) / 1e9 / memcpy_best, 4), "peak_extra_mb": max(sender_peaks),
             "receiver_peak_extra_mb": max(receiver_peaks), "peak_source": "VmHWM-VmRSS (clear_refs reset)",
             "checksum": want, "verified": verified}
 
@@ -447,15 +452,12 @@ def model_for(args: argparse.Namespace, tmp: str) -> str:
         return args.model_path
     import subprocess
 
+    # make_tiny_model: 4 heads, 2 KV heads, MLP 2 × hidden → 9 hidden² parameters per layer.
     hidden = 256 if args.size_mb < 64 else 1024
-    inter, heads = hidden * 11 // 4, hidden // 64
-    per_layer_mb = (4 * hidden * hidden * 3 // 4 + 3 * hidden * inter) * 4 / MB  # GQA: kv heads = heads / 2
-    layers = max(2, round(args.size_mb / per_layer_mb))
+    layers = max(2, round(args.size_mb * MB / (9 * hidden * hidden * 4)))
     out = os.path.join(tmp, "model")
     subprocess.run([sys.executable, os.path.join(REPO, "tools", "make_tiny_model.py"), "--out", out,
-                    "--hidden-size", str(hidden), "--intermediate-size", str(inter), "--num-layers", str(layers),
-                    "--num-heads", str(heads), "--num-kv-heads", str(max(1, heads // 2))],
-                   check=True, capture_output=True)
+                    "--hidden-size", str(hidden), "--num-layers", str(layers)], check=True, capture_output=True)
     return out
 
 
@@ -470,6 +472,34 @@ def model_bytes(policy: Any) -> int:
     from megatron_flash.weight_sync.bridge import hf_buckets
 
     return sum(t.numel() * t.element_size() for b in hf_buckets(policy, bucket_bytes=1 << 62) for _, t in b)
+
+
+def staged_bridge_class() -> Any:
+    """WeightBridge whose ipc buckets are views of one persistent shared-memory buffer: a prototype
+    of the change proposed for bridge.py (docs/weight_sync.md), same payload format for the engine."""
+    import torch
+
+    from megatron_flash.weight_sync.bridge import WeightBridge
+
+    class StagedBridge(WeightBridge):
+        _staging: Any = None
+
+        def _send_ipc(self, bucket: list, *args: Any, **kwargs: Any) -> Any:
+            sizes = [-(-t.numel() * t.element_size() // 64) * 64 for _, t in bucket]
+            if self._staging is None or self._staging.numel() < sum(sizes):
+                self._staging = torch.empty(sum(sizes), dtype=torch.uint8).share_memory_().fill_(0)
+            views, offset = [], 0
+            for (name, t), n in zip(bucket, sizes):
+                view = self._staging[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                views.append((name, view.copy_(t)))
+                offset += n
+            try:
+                return super()._send_ipc(views, *args, **kwargs)
+            except BaseException:
+                self._staging = None  # an engine that died may take the segment's name with it
+                raise
+
+    return StagedBridge
 
 
 def run_engine(args: argparse.Namespace) -> dict[str, Any]:
@@ -487,8 +517,9 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         launcher = EngineLauncher(backend="cpu", model_path=model, base_port=free_port(), run_dir=tmp,
                                   startup_timeout_s=600)
         launcher.__enter__()
-        engine_pid = launcher.pids()[0]
-        bridge = WeightBridge(policy, launcher.urls, transport=args.transport, bucket_mb=args.bucket_mb,
+        engine_pid = launcher.pids[0]
+        staged = args.transport == "ipc" and args.ipc_mode == "staged"
+        bridge = (staged_bridge_class() if staged else WeightBridge)(policy, launcher.urls, transport=args.transport, bucket_mb=args.bucket_mb,
                               disk_dir=os.path.join(tmp, "weights"))
         seconds, peaks, engine_peaks, buckets = [], [], [], 0
         for rep in range(args.repeats):
@@ -508,10 +539,12 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
     median, memcpy_gbps = statistics.median(seconds), memcpy.gbps()
     gbps = nbytes / median / 1e9
-    return {"mode": "engine", "transport": args.transport, "size_mb": round(nbytes / MB, 2), "bucket_mb": args.bucket_mb,
+    return {"mode": "engine", "transport": args.transport,
+            "ipc_mode": ("staged (prototype subclass)" if staged else "fresh (bridge.py)") if args.transport == "ipc" else None,
+            "size_mb": round(nbytes / MB, 2), "bucket_mb": args.bucket_mb,
             "num_buckets": buckets, "repeats": args.repeats, "seconds": round(median, 4),
             "seconds_all": [round(s, 4) for s in seconds], "gbps": round(gbps, 3), "memcpy_gbps": round(memcpy_gbps, 3),
-            "ratio_to_memcpy": round(gbps / memcpy_gbps, 3), "peak_extra_mb": max(peaks),
+            "ratio_to_memcpy": round(gbps / memcpy_gbps, 4), "peak_extra_mb": max(peaks),
             "receiver_peak_extra_mb": max(engine_peaks), "peak_source": "VmHWM-VmRSS (clear_refs reset)",
             "verified": "engine weight_version (tools/weight_sync/verify.py checks logprobs)"}
 
@@ -528,6 +561,8 @@ def run_stream_memory(args: argparse.Namespace) -> dict[str, Any]:
         params = [p for _, p in policy.model.module.named_parameters()]
         largest = max(p.numel() * p.element_size() for p in params) / MB
         total = sum(p.numel() * p.element_size() for p in params) / MB
+        layer = sum(p.numel() * p.element_size() for n, p in policy.model.module.named_parameters()
+                    if n.startswith("decoder.layers.0.")) / MB
         bucket_bytes = max(1, int(args.bucket_mb * MB))
         peaks, biggest_bucket = [], 0.0
         for _ in range(args.repeats):
@@ -543,7 +578,10 @@ def run_stream_memory(args: argparse.Namespace) -> dict[str, Any]:
     bound = args.bucket_mb + 2 * largest
     return {"mode": "stream-memory", "model_mb": round(total, 2), "bucket_mb": args.bucket_mb,
             "largest_param_mb": round(largest, 2), "largest_bucket_mb": round(biggest_bucket, 2),
-            "peak_extra_mb": max(peaks), "bound_mb": round(bound, 2), "within_bound": max(peaks) <= bound,
+            "layer_mb": round(layer, 2), "peak_extra_mb": max(peaks),
+            "bucket_plus_layer_mb": round(args.bucket_mb + layer, 2),
+            "within_bucket_plus_layer": max(peaks) <= args.bucket_mb + layer,
+            "bound_mb": round(bound, 2), "within_bound": max(peaks) <= bound,
             "peak_source": "VmHWM-VmRSS (clear_refs reset)"}
 
 

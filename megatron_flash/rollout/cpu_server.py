@@ -410,7 +410,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     app = build_app(engine, api_key=args.api_key, host=args.host)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+        # A bounded graceful shutdown: requests still waiting on generation (or on a paused engine)
+        # when SIGTERM arrives would otherwise keep the server alive forever after its trainer died.
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                    timeout_graceful_shutdown=3)
     finally:
         engine.shutdown()
     return 0

@@ -253,9 +253,11 @@ class EngineLauncher:
             log.write(f"# engine {spec.index}: {env_text} {self._printable(spec.argv)}\n".encode())
             log.flush()
             # Own session = own process group: stop() signals the server and everything it forked.
+            # Parent-death signal: if this process dies without stopping them (kill -9, OOM), the
+            # servers get SIGTERM from the kernel instead of living on as orphans.
             return subprocess.Popen(list(spec.argv), stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env={**os.environ, **spec.env},
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=_die_with_parent)
 
     def _wait_healthy(self, specs: Sequence[EngineSpec]) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -304,6 +306,20 @@ class EngineLauncher:
                 proc.wait(timeout=5.0)
             except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL not delivered
                 pass
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux for SIGTERM when the spawning thread's process dies
+    (prctl PR_SET_PDEATHSIG). A no-op where prctl does not exist. Must be called from the thread
+    that lives as long as the engines (the launcher is started from the main thread)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -45,10 +45,19 @@ def rows(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def kill_engine_on(port: int) -> None:
-    # The engine server runs in its own session (the launcher's process group): a SIGKILLed trainer
-    # cannot stop it, so the test does (the next attempt uses a fresh port anyway).
-    subprocess.run(["pkill", "-9", "-f", f"cpu_server.*--port {port}"], check=False)
+def engine_alive(port: int) -> bool:
+    return subprocess.run(["pgrep", "-f", f"cpu_server.*--port {port}"], capture_output=True).returncode == 0
+
+
+def assert_no_orphan(port: int) -> None:
+    """The engine server has its own session, but the kernel's parent-death signal stops it when the
+    trainer dies, even by SIGKILL (issue: a dead trainer rank must leave no orphans)."""
+    deadline = time.monotonic() + 30
+    while engine_alive(port) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = engine_alive(port)
+    subprocess.run(["pkill", "-9", "-f", f"cpu_server.*--port {port}"], check=False)  # never leak one
+    assert not alive, f"the engine on port {port} outlived its trainer"
 
 
 def test_kill_minus_nine_and_resume_accounts_for_every_prompt(tiny_models, tmp_path) -> None:
@@ -71,10 +80,10 @@ def test_kill_minus_nine_and_resume_accounts_for_every_prompt(tiny_models, tmp_p
                 proc.send_signal(signal.SIGKILL)
                 kills += 1
             proc.wait(60)
-            kill_engine_on(port)
+            assert_no_orphan(port)
             continue
         assert proc.wait(300) == 0, open(log_path).read()[-3000:]
-        kill_engine_on(port)
+        assert_no_orphan(port)
         break
     assert kills == 3
 
@@ -111,5 +120,5 @@ def test_sigterm_saves_and_stops_cleanly(tiny_models, tmp_path) -> None:
         name = f.read().strip()
     step = int(name.split("_")[1])
     assert step == len(rows(os.path.join(run_dir, "metrics.jsonl"))) - 1  # saved the last finished step
-    # The launcher stopped the engine on the way out: nothing listens on its port any more.
-    assert subprocess.run(["pgrep", "-f", f"cpu_server.*--port {port}"], capture_output=True).returncode == 1
+    # The launcher stopped the engine on the way out.
+    assert not engine_alive(port)

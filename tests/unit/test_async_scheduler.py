@@ -209,8 +209,10 @@ def test_pause_abort_resumes_from_the_prefix_with_per_token_versions() -> None:
     while len(h.proxy.inflight) < 8 and time.monotonic() < deadline:
         time.sleep(0.005)
     assert len(h.proxy.inflight) == 8
-    h.proxy.push(1, abort=True)
+    # Version first, then the abort: a resubmitted segment then provably runs under version 1 (the
+    # other order leaves it unknown — None — unless the engine reports per-token version spans).
     h.staleness.set_version(1)
+    h.proxy.push(1, abort=True)
     groups = h.buffer.take_batch(4, timeout_s=10, poll_s=0.005)
     h.scheduler.stop()
     h.thread.join(10)

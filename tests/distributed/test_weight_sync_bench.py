@@ -74,3 +74,11 @@ def test_llama_shapes_hit_the_requested_size() -> None:
     for size_mb in (8, 64, 1024):
         total = sum(4 * __import__("math").prod(s) for _, s in bench.llama_shapes(size_mb)) / 2**20
         assert 0.75 * size_mb <= total <= 1.25 * size_mb, (size_mb, total)
+
+
+def test_stream_memory_mode_reports_the_bounds(tiny_models) -> None:
+    proc = run_tool([TOOL, "--mode", "stream-memory", "--model-path", tiny_models["llama"], "--bucket-mb", "0.05",
+                     "--repeats", "1"], timeout=180)
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert 0.3 < r["model_mb"] < 0.4 and r["largest_bucket_mb"] >= 0.05 and r["hf_buckets_seconds"] > 0
+    assert r["bucket_plus_layer_mb"] > r["bucket_mb"] and r["peak_extra_mb"] is not None

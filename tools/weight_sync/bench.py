@@ -36,9 +36,12 @@ checksum of what it received; `verified` says it equals the sender's.
 
 --engine: a Megatron policy (one process) built from --model-path, or from a Llama of ≈ --size-mb
 written with tools/make_tiny_model.py, synced to a real CPU engine server with WeightBridge; the
-time is SyncReport.seconds (pause, buckets, flush, resume, version check).
+time is SyncReport.seconds (pause, buckets, flush, resume, version check) less the bridge's
+post-sync logprob probe, reported apart. `--ipc-mode staged` there runs a prototype subclass of
+WeightBridge (one persistent shared buffer, see docs/weight_sync.md).
 --mode stream-memory: peak extra memory while iterating `hf_buckets` of such a policy, against one
-bucket plus the largest parameter.
+bucket plus one decoder layer (and bucket + 2 × the largest parameter: a bucket closes only once it
+reaches --bucket-mb, so it can overshoot by one parameter).
 
 Prints one JSON object as its last stdout line. Run with OMP_NUM_THREADS=1.
 """
@@ -521,12 +524,15 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         staged = args.transport == "ipc" and args.ipc_mode == "staged"
         bridge = (staged_bridge_class() if staged else WeightBridge)(policy, launcher.urls, transport=args.transport, bucket_mb=args.bucket_mb,
                               disk_dir=os.path.join(tmp, "weights"))
-        seconds, peaks, engine_peaks, buckets = [], [], [], 0
+        seconds, peaks, engine_peaks, buckets, probe_s, probe_diff = [], [], [], 0, [], None
         for rep in range(args.repeats):
             memcpy.sample()
             probe, engine_probe = PeakProbe(), PeakProbe(engine_pid)
-            report = bridge.sync(rep + 1)  # the bridge checks every engine reports version rep + 1
-            seconds.append(report.seconds)
+            report = bridge.sync(rep + 1)  # checks the version, and (probe) the engine's logprobs
+            # The post-sync probe (a generation + logprobs on both sides) is not transport: reported apart.
+            probe_s.append(getattr(report, "probe_seconds", 0.0))
+            probe_diff = getattr(report, "max_abs_logprob_diff", None)
+            seconds.append(report.seconds - probe_s[-1])
             peaks.append(probe.extra_mb())
             engine_peaks.append(engine_probe.extra_mb())
             buckets = report.num_buckets
@@ -546,7 +552,8 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
             "seconds_all": [round(s, 4) for s in seconds], "gbps": round(gbps, 3), "memcpy_gbps": round(memcpy_gbps, 3),
             "ratio_to_memcpy": round(gbps / memcpy_gbps, 4), "peak_extra_mb": max(peaks),
             "receiver_peak_extra_mb": max(engine_peaks), "peak_source": "VmHWM-VmRSS (clear_refs reset)",
-            "verified": "engine weight_version (tools/weight_sync/verify.py checks logprobs)"}
+            "probe_seconds": round(statistics.median(probe_s), 4), "probe_max_abs_logprob_diff": probe_diff,
+            "verified": "bridge: weight_version read back" + (" + logprob probe" if probe_diff is not None else "")}
 
 
 def run_stream_memory(args: argparse.Namespace) -> dict[str, Any]:
@@ -564,13 +571,15 @@ def run_stream_memory(args: argparse.Namespace) -> dict[str, Any]:
         layer = sum(p.numel() * p.element_size() for n, p in policy.model.module.named_parameters()
                     if n.startswith("decoder.layers.0.")) / MB
         bucket_bytes = max(1, int(args.bucket_mb * MB))
-        peaks, biggest_bucket = [], 0.0
+        peaks, biggest_bucket, seconds = [], 0.0, []
         for _ in range(args.repeats):
             gc.collect()
             probe = PeakProbe()
+            t0 = time.perf_counter()
             for bucket in hf_buckets(policy, bucket_bytes=bucket_bytes):
                 biggest_bucket = max(biggest_bucket, sum(t.numel() * t.element_size() for _, t in bucket) / MB)
                 del bucket  # the bridge drops a bucket once it is sent
+            seconds.append(time.perf_counter() - t0)
             peaks.append(probe.extra_mb())
     finally:
         destroy_distributed()
@@ -579,6 +588,8 @@ def run_stream_memory(args: argparse.Namespace) -> dict[str, Any]:
     return {"mode": "stream-memory", "model_mb": round(total, 2), "bucket_mb": args.bucket_mb,
             "largest_param_mb": round(largest, 2), "largest_bucket_mb": round(biggest_bucket, 2),
             "layer_mb": round(layer, 2), "peak_extra_mb": max(peaks),
+            "hf_buckets_seconds": round(statistics.median(seconds), 4),
+            "hf_buckets_gbps": round(total * MB / statistics.median(seconds) / 1e9, 3),
             "bucket_plus_layer_mb": round(args.bucket_mb + layer, 2),
             "within_bucket_plus_layer": max(peaks) <= args.bucket_mb + layer,
             "bound_mb": round(bound, 2), "within_bound": max(peaks) <= bound,

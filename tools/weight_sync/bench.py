@@ -497,10 +497,14 @@ def staged_bridge_class() -> Any:
                 views.append((name, view.copy_(t)))
                 offset += n
             try:
-                return super()._send_ipc(views, *args, **kwargs)
+                errors = super()._send_ipc(views, *args, **kwargs)
             except BaseException:
-                self._staging = None  # an engine that died may take the segment's name with it
+                errors = {"trainer": "raised"}
                 raise
+            finally:
+                if errors:  # an engine that died may take the segment's name with it: next time, a new one
+                    self._staging = None
+            return errors
 
     return StagedBridge
 

@@ -29,6 +29,7 @@ setup(
         "aiohttp>=3.9",  # engine client and proxy
         "fastapi>=0.110",  # CPU engine server
         "uvicorn>=0.29",
+        "psutil>=5.9",  # Megatron's distributed-checkpoint writer needs it (tools/weight_sync/convert.py)
     ],
     extras_require={
         # The set CI pins (Python 3.11: megatron-core 0.16.1 is the newest that supports it).

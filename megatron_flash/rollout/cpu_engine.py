@@ -619,6 +619,29 @@ class CpuEngine:
             logger.exception("weight update failed")
             return False, f"Failed to update weights: {error}"
 
+    async def input_token_logprobs(self, prompt_ids: list[int], start: int, *,
+                                   return_text: bool = False) -> list[list[Any]]:
+        """SGLang's `meta_info.input_token_logprobs` for `logprob_start_len=start`: one
+        [logprob, token_id, text] per prompt position start…end, the first logprob None (SGLang's logits
+        start at that position). A teacher-forced forward of the served model, CB parked, no update running."""
+        if start >= len(prompt_ids):
+            return []
+
+        @torch.no_grad()
+        def forward() -> list[float]:
+            with self._manager.pause():
+                logits = self.model(input_ids=torch.tensor([prompt_ids])).logits[0].float()
+            logprobs = torch.log_softmax(logits[:-1], dim=-1)
+            return logprobs.gather(-1, torch.tensor(prompt_ids[1:])[:, None])[:, 0].tolist()
+
+        self._ensure_loop_state()
+        async with self._update_lock:
+            values = await asyncio.to_thread(forward)
+        ids = prompt_ids[start:]
+        texts = ([self.tokenizer.decode([t]) for t in ids] if return_text and self.tokenizer is not None
+                 else [None] * len(ids))
+        return [[lp, t, text] for lp, t, text in zip([None] + values[start:], ids, texts)]
+
     def _set_version(self, new_version: str | None) -> None:
         if new_version is None or new_version == self.weight_version:
             return

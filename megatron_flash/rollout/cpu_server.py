@@ -51,6 +51,20 @@ def _num_samples(params: list) -> int:
     return counts.pop() if counts else 1
 
 
+def _logprob_start_len(body: dict, index: int, prompt_len: int) -> int:
+    """SGLang's `logprob_start_len` of prompt `index` (scalar or one per prompt; -1 = no input logprobs)."""
+    value = body.get("logprob_start_len")
+    if isinstance(value, list):
+        value = value[min(index, len(value) - 1)] if value else None
+    value = -1 if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ValueError(f"logprob_start_len must be an integer >= -1, got {value!r}")
+    if value > prompt_len:
+        raise ValueError(f"logprob_start_len={value} is higher than the number of input tokens {prompt_len}. "
+                         "Please use a smaller logprob_start_len.")
+    return value
+
+
 def build_app(engine: Any, *, api_key: str | None = None, host: str = "127.0.0.1") -> Any:
     """The FastAPI app serving `engine` (a `CpuEngine`)."""
     import hmac
@@ -134,7 +148,7 @@ def build_app(engine: Any, *, api_key: str | None = None, host: str = "127.0.0.1
     def parse_generate(body: dict) -> list[dict]:
         """One dict per prompt: rid, prompt ids, sampling spec, logprob flags."""
         for key, neutral in (("top_logprobs_num", (None, 0)), ("token_ids_logprob", (None,)),
-                             ("logprob_start_len", (None, -1)), ("input_embeds", (None,)),
+                             ("input_embeds", (None,)),
                              ("image_data", (None,)), ("lora_path", (None,))):
             if body.get(key) not in neutral:
                 raise ValueError(f"{key} is not supported by the CPU engine")
@@ -196,20 +210,35 @@ def build_app(engine: Any, *, api_key: str | None = None, host: str = "127.0.0.1
             spec = SamplingSpec.from_json(params[i], vocab_size=engine.vocab_size)
             engine.validate(prompts[i], spec)
             items.append({"rid": str(rids[i]), "prompt_ids": prompts[i], "spec": spec,
-                          "return_logprob": bool(logprob[i]), "return_text_in_logprobs": bool(text_lp)})
+                          "return_logprob": bool(logprob[i]), "return_text_in_logprobs": bool(text_lp),
+                          "logprob_start_len": _logprob_start_len(body, i, len(prompts[i]))})
         return items if not single or num_samples > 1 else items[:1]
 
+    async def input_logprobs(item: dict) -> list | None:
+        """meta_info.input_token_logprobs when asked with return_logprob and logprob_start_len >= 0."""
+        if not item["return_logprob"] or item["logprob_start_len"] < 0:
+            return None
+        return await engine.input_token_logprobs(item["prompt_ids"], item["logprob_start_len"],
+                                                 return_text=item["return_text_in_logprobs"])
+
+    def with_inputs(out: dict, inputs: list | None) -> dict:
+        if inputs is not None:
+            out["meta_info"]["input_token_logprobs"] = inputs
+        return out
+
     async def run_one(item: dict) -> dict:
+        inputs = await input_logprobs(item)
         req = await engine.admit(rid=item["rid"], prompt_ids=item["prompt_ids"], spec=item["spec"])
         try:
             await req.done.wait()
-            return engine.snapshot(req, return_logprob=item["return_logprob"],
-                                   return_text_in_logprobs=item["return_text_in_logprobs"])
+            return with_inputs(engine.snapshot(req, return_logprob=item["return_logprob"],
+                                               return_text_in_logprobs=item["return_text_in_logprobs"]), inputs)
         finally:
             engine.release(req)
 
     async def stream_one(item: dict) -> AsyncIterator[bytes]:
         try:
+            inputs = await input_logprobs(item)
             req = await engine.admit(rid=item["rid"], prompt_ids=item["prompt_ids"], spec=item["spec"], stream=True)
         except ValueError as error:
             payload = {"error": {"message": str(error), "type": "invalid_request_error", "code": 400,
@@ -222,8 +251,8 @@ def build_app(engine: Any, *, api_key: str | None = None, host: str = "127.0.0.1
             while True:
                 await req.progress.wait()
                 req.progress.clear()
-                out = engine.snapshot(req, return_logprob=item["return_logprob"],
-                                      return_text_in_logprobs=item["return_text_in_logprobs"])
+                out = with_inputs(engine.snapshot(req, return_logprob=item["return_logprob"],
+                                                  return_text_in_logprobs=item["return_text_in_logprobs"]), inputs)
                 if len(out["output_ids"]) != sent or req.finish is not None:
                     sent = len(out["output_ids"])
                     yield b"data: " + json.dumps(out).encode() + b"\n\n"

@@ -3,23 +3,36 @@
   plan      every PP stage has one *sender* (TP rank 0, DP rank 0); within the stage all TP ranks
             all-gather each parameter (collectives), the sender turns it into HF tensors (name map,
             vocab padding stripped) and groups them into buckets of `bucket_mb`;
-  execute   global rank 0 runs the protocol: pause engines → open the weight-update session →
-            [every sender streams its buckets] → close the session → flush → continue → every engine
-            must report the new weight_version;
-  transport ipc        bucket → ForkingPickler payload (shared memory on CPU, `file_system` strategy)
-                       → POST /update_weights_from_tensor to every engine
-            broadcast  a gloo/NCCL group {sender} ∪ {engine ranks} (single-process trainer only for
-                       now, see __init__);
-                       POST /update_weights_from_distributed announces names/dtypes/shapes while
-                       the sender broadcasts each tensor
-            disk       HF safetensors export (atomic) → POST /update_weights_from_disk
+  execute   one *pass* to a set of engines, all ranks taking part:
+              rank 0    pause → begin_weight_update                        (per engine)
+              senders   stream their buckets (weight_version never sent with a bucket)
+              rank 0    update_weight_version(v) → end_weight_update → flush_cache → continue_generation
+                        → read back weight_version                        (only engines with no error)
+            The version is advanced by that one final call, so an engine that got part of the buckets
+            still reports the old version; the proxy never re-admits it (its version ≠ the fleet's).
+  transport ipc        bucket → ForkingPickler payload (CUDA IPC / shared memory, `file_system`
+                       strategy) → POST /update_weights_from_tensor to every engine
+            broadcast  one gloo/NCCL group per PP stage: {that stage's sender (rank 0)} ∪ {every engine
+                       rank}; stages take turns (a barrier between them) because an engine serves one
+                       update at a time: two stages broadcasting at once to two engines that picked
+                       them in opposite orders would deadlock. POST /update_weights_from_distributed
+                       announces names/dtypes/shapes while the sender broadcasts each tensor.
+            disk       HF safetensors export (atomic) → POST /update_weights_from_disk, which carries
+                       the version itself (one call per engine: it is the final call)
 
-Peak extra memory on a sender is one bucket plus the parameter being gathered: the HF tensors of
-a bucket are released as soon as it has been sent.
+Failure midway (issue 5): an engine with any error in a pass is *dirty* — it may hold part of the
+buckets. It stays paused (it must not serve mixed weights) and, if it still answers, is re-synced from
+scratch (a whole new pass to it alone, `max_resync` times). One that cannot be re-synced is taken out of
+service: removed from this bridge's engines, listed in `SyncReport.failed_urls`, left paused with its old
+weight_version. `fail_fast` raises `WeightSyncError` naming the engine and the step; otherwise the caller
+reads the report and stops routing to it (a sync that leaves no engine serving always raises). Engines
+without an error are resumed on every path.
 
-If an engine fails midway it is not silently left half-updated: the protocol raises
-`WeightSyncError` naming the engine and the step, after trying to close the session and resume
-the others; the caller takes the failed engine out of service (the proxy marks it unhealthy).
+Probe: after the sync, fixed sequences are scored teacher-forced by every synced engine and by the
+trainer (`probe.py`); `SyncReport.max_abs_logprob_diff` / `mean_abs_logprob_diff`, and a mean above
+`probe_threshold` raises `WeightSyncError`.
+
+Peak extra memory on a sender is one bucket plus the parameter being gathered.
 """
 
 from __future__ import annotations
@@ -27,29 +40,43 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import gc
 import io
+import json
 import os
 import threading
 import time
-from typing import Any, Iterator, Optional, Sequence
+import uuid
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_flash.trainer.distributed import free_port
 from megatron_flash.trainer.hf_io import stage_hf_tensors
-from megatron_flash.weight_sync.process_group import new_weight_update_group
+from megatron_flash.weight_sync import probe as probe_lib
+from megatron_flash.weight_sync.process_group import destroy_weight_update_group, new_weight_update_group
 
 TRANSPORTS = ("ipc", "broadcast", "disk")
 
 
 class WeightSyncError(RuntimeError):
-    """A sync that did not complete; the message names the engine and the step."""
+    """A sync that did not complete; the message names the engine(s) and the step. `report` is the
+    SyncReport when the sync got that far (engines out of service, probe numbers)."""
+
+    def __init__(self, message: str, *, report: Optional["SyncReport"] = None) -> None:
+        super().__init__(message)
+        self.report = report
 
 
 def hf_buckets(policy: Any, *, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """This PP stage's HF tensors in buckets (non-empty only on the stage's sender; every TP rank
-    of the stage must exhaust the iterator because it drives the TP all-gathers)."""
+    of the stage must exhaust the iterator because it drives the TP all-gathers).
+
+    Every tensor is copied into its own fresh storage. Without the copy a replicated parameter (a
+    norm weight) or a view (q/k/v of one fused tensor) would be sent as the trainer's own storage:
+    ipc moves that storage into a shared-memory file for good, and when an engine that opened the
+    file dies, torch's shm manager unlinks the name, so every later send of it fails on every engine."""
     layout = policy.layout
     sender = layout.tp_rank == 0 and layout.dp_rank == 0
     bucket: list[tuple[str, torch.Tensor]] = []
@@ -57,7 +84,7 @@ def hf_buckets(policy: Any, *, bucket_bytes: int) -> Iterator[list[tuple[str, to
     for name, tensor in stage_hf_tensors(policy.model, spec=policy.spec, layout=layout):
         if not sender:
             continue
-        tensor = tensor.detach().to("cpu").contiguous()
+        tensor = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor.detach())
         bucket.append((name, tensor))
         size += tensor.numel() * tensor.element_size()
         if size >= bucket_bytes:
@@ -72,164 +99,376 @@ class SyncReport:
     version: int
     seconds: float
     bytes_sent: int
+    """Over all passes and senders (a re-sync sends everything again)."""
     num_buckets: int
     transport: str
+    synced_urls: list[str] = dataclasses.field(default_factory=list)
+    """Engines serving `version` now."""
+    failed_urls: list[str] = dataclasses.field(default_factory=list)
+    """Engines taken out of service by this sync (paused, old weight_version, maybe partial weights)."""
+    resynced_urls: list[str] = dataclasses.field(default_factory=list)
+    """Engines that failed in the first pass and were re-synced from scratch (now in synced_urls)."""
+    errors: dict[str, str] = dataclasses.field(default_factory=dict)
+    """url → what went wrong, with the step (for every engine that had an error, re-synced or not)."""
+    max_abs_logprob_diff: Optional[float] = None
+    """Probe: max |trainer − engine| logprob per token over the synced engines (None: probe off)."""
+    mean_abs_logprob_diff: Optional[float] = None
+    """Probe: mean |trainer − engine| logprob per token (compared with probe_threshold)."""
+    probe_seconds: float = 0.0
 
 
 class WeightBridge:
-    """Owns the engine connections of one trainer job; `sync(version)` is called on every rank."""
+    """Owns the engine connections of one trainer job; `sync(version)` is called on every rank.
 
-    def __init__(self, policy: Any, engine_urls: Sequence[str], *, transport: str = "ipc", bucket_mb: int = 512,
+    `on_bucket(index)` (tests) is called on each sender after bucket `index` of a pass went out.
+    """
+
+    def __init__(self, policy: Any, engine_urls: Sequence[str], *, transport: str = "ipc", bucket_mb: float = 512,
                  pause_mode: str = "retract", api_key: Optional[str] = None, disk_dir: str = "",
-                 master_address: str = "127.0.0.1", timeout_s: float = 600.0) -> None:
+                 master_address: str = "127.0.0.1", timeout_s: float = 600.0, engine_tp_size: int = 1,
+                 max_resync: int = 1, fail_fast: bool = False, probe: bool = True, probe_threshold: float = 0.05,
+                 alive_timeout_s: float = 10.0, on_bucket: Optional[Callable[[int], None]] = None) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"weight_sync.transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
-        if transport == "broadcast" and policy.layout.world_size > 1:
-            # Known gap: with a multi-process trainer (TP2 or PP2 on gloo) forming the update group
-            # hangs; until fixed, multi-rank trainers must use ipc or disk.
-            raise ValueError("weight_sync.transport=broadcast supports a single-process trainer only in this "
-                             "version; use ipc or disk when the trainer has several ranks")
         if transport == "disk" and not disk_dir:
             raise ValueError("weight_sync transport 'disk' needs a shared directory (disk_dir)")
-        self.policy, self.urls, self.transport = policy, list(engine_urls), transport
+        if bucket_mb <= 0:
+            raise ValueError(f"weight_sync.bucket_mb must be > 0, got {bucket_mb!r}")
+        if max_resync < 0:
+            raise ValueError(f"weight_sync.max_resync must be >= 0, got {max_resync!r}")
+        if probe_threshold <= 0:
+            raise ValueError(f"weight_sync.probe_threshold must be > 0, got {probe_threshold!r}")
+        if engine_tp_size < 1:
+            raise ValueError(f"engine_tp_size must be >= 1, got {engine_tp_size!r}")
+        self.policy, self.urls, self.transport = policy, [u.rstrip("/") for u in engine_urls], transport
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.pause_mode, self.api_key, self.disk_dir = pause_mode, api_key, disk_dir
-        self.master_address, self.timeout_s = master_address, timeout_s
+        self.master_address, self.timeout_s, self.engine_tp_size = master_address, timeout_s, engine_tp_size
+        self.max_resync, self.fail_fast = max_resync, fail_fast
+        self.probe_enabled, self.probe_threshold, self.alive_timeout_s = probe, probe_threshold, alive_timeout_s
+        self.on_bucket = on_bucket
+        self.failed: dict[str, str] = {}
+        """Engines taken out of service by earlier syncs: url → why."""
         layout = policy.layout
+        self.rank0 = layout.rank == 0
         self.is_sender = layout.tp_rank == 0 and layout.dp_rank == 0
-        self._groups: dict[str, Any] = {}
+        self._group: Optional[tuple[tuple[str, ...], str, Any]] = None  # this stage's (members, name, group)
 
-    # ------------------------------------------------------------------ HTTP helpers (sync facade)
-    def _call(self, url: str, method: str, *args: Any, **kwargs: Any) -> Any:
+    @classmethod
+    def from_config(cls, policy: Any, engine_urls: Sequence[str], config: Any, **kwargs: Any) -> "WeightBridge":
+        """From a `WeightSyncConfig`; `kwargs` carry what lives elsewhere (pause_mode, api_key, disk_dir…)."""
+        return cls(policy, engine_urls, transport=config.transport, bucket_mb=config.bucket_mb,
+                   max_resync=config.max_resync, fail_fast=config.fail_fast, probe=config.probe,
+                   probe_threshold=config.probe_threshold, **kwargs)
+
+    # ------------------------------------------------------------------ collectives
+    def _bcast(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _merge(self, errors: dict[str, str]) -> dict[str, str]:
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, errors)
+        merged: dict[str, str] = {}
+        for part in parts:
+            for url, message in part.items():
+                merged.setdefault(url, message)
+        return merged
+
+    # ------------------------------------------------------------------ HTTP (rank 0 and senders)
+    def _fan(self, step: str, urls: Sequence[str], call: Callable[[Any], Any], *, session: bool = False,
+             timeout_s: Optional[float] = None, retries: int = 3) -> tuple[dict[str, Any], dict[str, str]]:
+        """`call(client)` on every url concurrently → (results, errors as 'step: message')."""
         from megatron_flash.rollout.engine_client import EngineClient
 
-        async def go() -> Any:
-            # The protocol opens one begin/end session around all buckets itself: explicit begin/end
-            # calls go to the server ("always"), update calls are never wrapped again ("never").
-            mode = "always" if method in ("begin_weight_update", "end_weight_update") else "never"
-            async with EngineClient(url, api_key=self.api_key, request_timeout_s=self.timeout_s,
-                                    control_timeout_s=self.timeout_s, weight_update_session=mode) as client:
-                return await getattr(client, method)(*args, **kwargs)
+        timeout = timeout_s or self.timeout_s
 
-        try:
-            return asyncio.run(go())
-        except Exception as error:
-            raise WeightSyncError(f"weight sync: {method} on engine {url} failed: {error}") from error
+        async def one(url: str) -> Any:
+            # Begin/end are explicit calls here ("always"); updates are never wrapped again ("never").
+            async with EngineClient(url, api_key=self.api_key, request_timeout_s=timeout, control_timeout_s=timeout,
+                                    max_retries=retries, weight_update_session="always" if session else "never") as c:
+                return await call(c)
 
-    def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return [self._call(url, method, *args, **kwargs) for url in self.urls]
+        async def every() -> list[Any]:
+            return await asyncio.gather(*(one(u) for u in urls), return_exceptions=True)
+
+        results: dict[str, Any] = {}
+        errors: dict[str, str] = {}
+        for url, out in zip(urls, asyncio.run(every()) if urls else []):
+            if isinstance(out, BaseException):
+                errors[url] = f"{step}: {type(out).__name__}: {out}"
+            else:
+                results[url] = out
+        return results, errors
+
+    async def _post(self, client: Any, path: str, body: dict[str, Any]) -> Any:
+        """An endpoint EngineClient has no method for: POST JSON, expect SGLang's {"success": true}."""
+        import aiohttp
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        async with aiohttp.ClientSession(headers=headers) as session:
+            async with session.post(client.url + path, json=body,
+                                    timeout=aiohttp.ClientTimeout(total=client.request_timeout_s)) as resp:
+                text = await resp.text()
+                status = resp.status
+        reply = json.loads(text) if status < 400 and text.strip() else None
+        if status >= 400 or not isinstance(reply, dict) or reply.get("success") is not True:
+            raise RuntimeError(f"{client.url}{path}: HTTP {status}: {text[:500]}")
+        return reply
+
+    def _alive(self, urls: Sequence[str]) -> list[str]:
+        """Engines that still answer (rank 0 asks, everyone learns). /health is not used: SGLang answers
+        503 there after ~20 s paused, and a dirty engine is paused."""
+        alive = []
+        if self.rank0:
+            results, _ = self._fan("alive", urls, lambda c: c.get_weight_version(), timeout_s=self.alive_timeout_s,
+                                   retries=0)
+            alive = [u for u in urls if u in results]
+        return self._bcast(alive)
 
     # ------------------------------------------------------------------ protocol
     def sync(self, version: int) -> SyncReport:
+        """Push the current weights as `version` to every engine in service. Collective: all ranks."""
         t0 = time.perf_counter()
-        rank0 = self.policy.layout.rank == 0
-        error: Optional[BaseException] = None
-        if rank0:
-            self._all("pause_generation", self.pause_mode)
-            if self.transport != "disk":
-                self._all("begin_weight_update")
-        dist.barrier()
-        sent, buckets = 0, 0
-        try:
-            if self.transport == "disk":
-                self.policy.export_hf(self.disk_dir)
-                if rank0:
-                    self._all("update_weights_from_disk", self.disk_dir, weight_version=str(version))
-            else:
-                for bucket in hf_buckets(self.policy, bucket_bytes=self.bucket_bytes):
-                    (self._send_ipc if self.transport == "ipc" else self._send_broadcast)(bucket, version)
-                    sent += sum(t.numel() * t.element_size() for _, t in bucket)
-                    buckets += 1
-        except BaseException as e:  # finish the protocol on rank 0 before re-raising
-            error = e
-        failed = torch.tensor([1 if error is not None else 0])
-        dist.all_reduce(failed)
-        if rank0:
-            if self.transport != "disk":
-                self._all("end_weight_update")
-            if self.pause_mode != "in_place":
-                self._all("flush_cache")
-            self._all("continue_generation")
-            if not failed.item():
-                versions = dict(zip(self.urls, self._all("get_weight_version")))
-                stale = {u: v for u, v in versions.items() if v != str(version)}
-                if stale:
-                    raise WeightSyncError(f"weight sync to version {version}: engines report {stale}")
-        if error is not None:
-            raise error
-        if failed.item():
-            raise WeightSyncError(f"weight sync to version {version} failed on another rank")
+        targets = list(self.urls)
+        if not targets:
+            raise WeightSyncError(f"weight sync to version {version}: no engine in service "
+                                  f"(out of service: {self.failed or 'none'})")
+        if self.transport == "disk":
+            self.policy.export_hf(self.disk_dir)
+        errors, sent, buckets = self._pass(version, targets)
+        first_errors = dict(errors)
+        resynced: list[str] = []
+        for attempt in range(self.max_resync):
+            retry = self._alive(sorted(errors)) if errors else []
+            if not retry:
+                break
+            again, s, b = self._pass(version, retry)
+            sent, buckets = sent + s, buckets + b
+            for url in retry:
+                if url in again:
+                    errors[url] = f"{errors[url]}; re-sync {attempt + 1}: {again[url]}"
+                else:
+                    errors.pop(url)
+                    resynced.append(url)
+        for url in errors:
+            self.urls.remove(url)
+            self.failed[url] = errors[url]
+        all_errors = {u: (errors[u] if u in errors else f"{first_errors[u]} (re-synced)") for u in first_errors}
+        report = SyncReport(version=version, seconds=0.0, bytes_sent=sent, num_buckets=buckets,
+                            transport=self.transport, synced_urls=[u for u in targets if u not in errors],
+                            failed_urls=[u for u in targets if u in errors], resynced_urls=resynced,
+                            errors=all_errors)
+        if errors and (self.fail_fast or not report.synced_urls):
+            report.seconds = time.perf_counter() - t0
+            detail = "; ".join(f"{u}: {m}" for u, m in errors.items())
+            raise WeightSyncError(f"weight sync to version {version}: engine(s) taken out of service: {detail}",
+                                  report=report)
+        if self.probe_enabled:
+            t1 = time.perf_counter()
+            report.max_abs_logprob_diff, report.mean_abs_logprob_diff, worst = self.probe(report.synced_urls)
+            report.probe_seconds = time.perf_counter() - t1
+            if report.mean_abs_logprob_diff > self.probe_threshold:
+                report.seconds = time.perf_counter() - t0
+                raise WeightSyncError(
+                    f"weight sync to version {version}: post-sync probe failed on {worst}: mean |Δ logprob| "
+                    f"{report.mean_abs_logprob_diff:.4g} (max {report.max_abs_logprob_diff:.4g}) > probe_threshold "
+                    f"{self.probe_threshold:g}: the engine does not serve the trainer's weights", report=report)
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def _pass(self, version: int, targets: list[str]) -> tuple[dict[str, str], int, int]:
+        """One attempt to bring `targets` to `version`. Collective. Returns (errors, bytes, buckets)."""
+        tensor_path = self.transport != "disk"
+        errors: dict[str, str] = {}
+        if self.rank0:
+            _, errors = self._fan("pause_generation", targets, lambda c: c.pause_generation(self.pause_mode))
+            if tensor_path:
+                _, begin = self._fan("begin_weight_update", [u for u in targets if u not in errors],
+                                     lambda c: c.begin_weight_update(), session=True)
+                errors.update(begin)
+        errors = self._bcast(errors)
+        active = [u for u in targets if u not in errors]
+        local: dict[str, str] = {}
+        sent = buckets = 0
+        if active and tensor_path:
+            local, sent, buckets = self._transfer(active)
+        elif active and self.rank0:
+            _, local = self._fan("update_weights_from_disk", active, lambda c: c.update_weights_from_disk(
+                self.disk_dir, weight_version=str(version), flush_cache=False))
+        errors.update(self._merge(local))
+        if self.rank0:
+            errors.update(self._finish(version, active, errors, tensor_path=tensor_path))
+        errors = self._bcast(errors)
         totals = torch.tensor([sent, buckets], dtype=torch.long)
         dist.all_reduce(totals)
-        return SyncReport(version=version, seconds=time.perf_counter() - t0, bytes_sent=int(totals[0]),
-                          num_buckets=int(totals[1]), transport=self.transport)
+        return errors, int(totals[0]), int(totals[1])
+
+    def _finish(self, version: int, active: list[str], errors: dict[str, str], *, tensor_path: bool) -> dict[str, str]:
+        """Rank 0, after the transfer: set the version on the engines that got everything, close, resume."""
+        new: dict[str, str] = {}
+
+        def ok() -> list[str]:
+            return [u for u in active if u not in errors and u not in new]
+
+        if tensor_path:
+            _, e = self._fan("update_weight_version", ok(), lambda c: self._post(
+                c, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False}))
+            new.update(e)
+            _, e = self._fan("end_weight_update", active, lambda c: c.end_weight_update(), session=True)
+            new.update({u: m for u, m in e.items() if u in ok()})  # a dirty engine's failed end is no news
+        if self.pause_mode != "in_place":
+            new.update(self._fan("flush_cache", ok(), lambda c: c.flush_cache())[1])
+        new.update(self._fan("continue_generation", ok(), lambda c: c.continue_generation())[1])
+        versions, e = self._fan("get_weight_version", ok(), lambda c: c.get_weight_version())
+        new.update(e)
+        new.update({u: f"read back: reports weight_version {v!r}, expected {str(version)!r}"
+                    for u, v in versions.items() if v != str(version)})
+        return new
+
+    def _transfer(self, active: list[str]) -> tuple[dict[str, str], int, int]:
+        """Every rank: drive this stage's buckets; senders push them. Returns this rank's errors."""
+        layout = self.policy.layout
+        errors: dict[str, str] = {}
+        sent = count = 0
+        serial = self.transport == "broadcast" and layout.pp_size > 1
+        for stage in range(layout.pp_size):
+            if stage == layout.pp_rank:
+                for index, bucket in enumerate(hf_buckets(self.policy, bucket_bytes=self.bucket_bytes)):
+                    live = [u for u in active if u not in errors]
+                    step = f"PP stage {stage} bucket {index}"
+                    try:
+                        if live:
+                            send = self._send_ipc if self.transport == "ipc" else self._send_broadcast
+                            errors.update(send(bucket, live, step))
+                        sent += sum(t.numel() * t.element_size() for _, t in bucket)
+                        count += 1
+                        if self.on_bucket is not None:
+                            self.on_bucket(index)
+                    except Exception as error:  # a trainer-side failure: every engine may be partial
+                        errors.update({u: f"{step}: trainer rank {layout.rank}: {type(error).__name__}: {error}"
+                                       for u in live if u not in errors})
+                    del bucket  # keeps peak memory at one bucket (ipc: the engines answered, files can go)
+            if serial:
+                dist.barrier()
+        return errors, sent, count
 
     # ------------------------------------------------------------------ transports
-    def _send_ipc(self, bucket: list[tuple[str, torch.Tensor]], version: int) -> None:
+    def _send_ipc(self, bucket: list[tuple[str, torch.Tensor]], urls: list[str], step: str) -> dict[str, str]:
         import torch.multiprocessing as mp
         from multiprocessing.reduction import ForkingPickler
 
         mp.set_sharing_strategy("file_system")  # file_descriptor sharing crashes SGLang's scheduler
         buf = io.BytesIO()
         ForkingPickler(buf).dump(bucket)
-        payload = [base64.b64encode(buf.getvalue()).decode()]
-        self._all("update_weights_from_tensor", payload, load_format=None, flush_cache=False,
-                  weight_version=str(version))
+        payload = [base64.b64encode(buf.getvalue()).decode()] * self.engine_tp_size
         # `bucket` stays referenced until every engine answered: the shared-memory files live until then.
+        return self._fan(f"{step} (update_weights_from_tensor)", urls, lambda c: c.update_weights_from_tensor(
+            payload, load_format=None, flush_cache=False, weight_version=None))[1]
 
-    def _group_for_stage(self) -> tuple[str, Any]:
-        pp_rank = self.policy.layout.pp_rank
-        name = f"mf_weights_pp{pp_rank}"
-        if name not in self._groups:
-            port = free_port()
-            world = 1 + len(self.urls)  # one engine rank per engine (engine TP 1 on the CPU path)
-            results: list[Any] = []
-            threads = []
-            for i, url in enumerate(self.urls):
-                def join(url: str = url, offset: int = 1 + i) -> None:
-                    try:
-                        results.append(self._call(url, "init_weights_update_group", master_address=self.master_address,
-                                                  master_port=port, rank_offset=offset, world_size=world,
-                                                  group_name=name, backend="gloo" if not torch.cuda.is_available() else "nccl"))
-                    except BaseException as e:
-                        results.append(e)
-                thread = threading.Thread(target=join, daemon=True)
-                thread.start()
-                threads.append(thread)
-            group = new_weight_update_group(master_address=self.master_address, master_port=port, rank=0,
-                                            world_size=world, group_name=name,
-                                            backend="gloo" if not torch.cuda.is_available() else "nccl")
-            for thread in threads:
-                thread.join(self.timeout_s)
-            errors = [r for r in results if isinstance(r, BaseException)]
-            if errors or len(results) != len(self.urls):
-                raise WeightSyncError(f"weight sync: could not form update group {name}: {errors or 'timeout'}")
-            self._groups[name] = group
-        return name, self._groups[name]
+    def _stage_group(self, urls: list[str]) -> tuple[str, Any]:
+        """This stage's group with exactly `urls`; a group with other members is torn down first."""
+        members = tuple(urls)
+        if self._group is not None and self._group[0] == members:
+            return self._group[1], self._group[2]
+        self._drop_group()
+        name = f"mf_weights_pp{self.policy.layout.pp_rank}_{uuid.uuid4().hex[:8]}"
+        port = free_port()
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        world = 1 + len(urls) * self.engine_tp_size
+        joins: dict[str, Any] = {}
 
-    def _send_broadcast(self, bucket: list[tuple[str, torch.Tensor]], version: int) -> None:
-        name, group = self._group_for_stage()
+        def engines_join() -> None:
+            offsets = {u: 1 + i * self.engine_tp_size for i, u in enumerate(urls)}
+            joins.update(self._fan("init_weights_update_group", urls, lambda c: c.init_weights_update_group(
+                master_address=self.master_address, master_port=port, rank_offset=offsets[c.url], world_size=world,
+                group_name=name, backend=backend))[1])
+
+        thread = threading.Thread(target=engines_join, daemon=True)
+        thread.start()
+        group = new_weight_update_group(master_address=self.master_address, master_port=port, rank=0,
+                                        world_size=world, group_name=name, backend=backend, timeout_s=self.timeout_s)
+        thread.join(self.timeout_s)
+        if joins or thread.is_alive():
+            destroy_weight_update_group(group)
+            raise RuntimeError(f"could not form update group {name}: {joins or 'timeout'}")
+        self._group = (members, name, group)
+        return name, group
+
+    def _drop_group(self) -> None:
+        """Tear down this stage's group on our side and (best effort) on engines still in service."""
+        if self._group is None:
+            return
+        members, name, group = self._group
+        self._group = None
+        destroy_weight_update_group(group)
+        del group
+        gc.collect()  # the last reference gone, our connections close: blocked engines' receives fail now
+        live = [u for u in members if u in self.urls]
+        self._fan("destroy_weights_update_group", live, lambda c: self._post(
+            c, "/destroy_weights_update_group", {"group_name": name}), timeout_s=self.alive_timeout_s, retries=0)
+
+    def _send_broadcast(self, bucket: list[tuple[str, torch.Tensor]], urls: list[str], step: str) -> dict[str, str]:
+        try:
+            name, group = self._stage_group(urls)
+        except Exception as error:
+            return {u: f"{step}: {error}" for u in urls}
         body = dict(names=[n for n, _ in bucket], dtypes=[str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                    shapes=[list(t.shape) for _, t in bucket], group_name=name, flush_cache=False,
-                    weight_version=str(version))
-        results: list[Any] = []
-        threads = []
-        for url in self.urls:
-            def announce(url: str = url) -> None:
-                try:
-                    results.append(self._call(url, "update_weights_from_distributed", **body))
-                except BaseException as e:
-                    results.append(e)
-            thread = threading.Thread(target=announce, daemon=True)
-            thread.start()
-            threads.append(thread)
-        for _, tensor in bucket:
-            dist.broadcast(tensor, src=0, group=group)
-        for thread in threads:
+                    shapes=[list(t.shape) for _, t in bucket], group_name=name, flush_cache=False, weight_version=None)
+        announced: dict[str, str] = {}
+
+        def announce() -> None:
+            announced.update(self._fan(f"{step} (update_weights_from_distributed)", urls,
+                                       lambda c: c.update_weights_from_distributed(**body))[1])
+
+        thread = threading.Thread(target=announce, daemon=True)
+        thread.start()
+        failure = ""
+        try:
+            for _, tensor in bucket:
+                dist.broadcast(tensor, group=group, group_src=0)
+        except Exception as error:  # a member died mid-collective: the group is unusable for all
+            failure = f"{step} (broadcast): {type(error).__name__}: {error}"
+        del group  # outside the except block: no traceback frame keeps the group alive either
+        if failure:
+            self._drop_group()  # closes our connections, so the survivors' receives fail now
             thread.join(self.timeout_s)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors or len(results) != len(self.urls):
-            raise WeightSyncError(f"weight sync (broadcast, group {name}): {errors or 'timeout'}")
+            return {u: announced.get(u, failure) for u in urls}
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            announced.update({u: f"{step}: no answer within {self.timeout_s:g}s" for u in urls})
+        if announced:
+            self._drop_group()
+            return {u: announced.get(u, f"{step}: another member of group {name} failed") for u in urls}
+        return {}
+
+    # ------------------------------------------------------------------ probe
+    def probe(self, urls: Sequence[str]) -> tuple[float, float, str]:
+        """Teacher-forced logprobs of fixed sequences: trainer (all ranks) vs every engine in `urls`
+        (rank 0). Returns (max, mean, worst url), the same on every rank. Collective."""
+        tokens = probe_lib.probe_tokens(self.policy.spec.vocab_size)
+        trainer, _ = self.policy.compute_logprobs({"tokens": tokens})
+        result: Any = None
+        if self.rank0:
+            async def every() -> list[Any]:
+                return await asyncio.gather(*(probe_lib.engine_logprobs(
+                    u, tokens, probe_lib.PROMPT_LEN, api_key=self.api_key, timeout_s=self.timeout_s) for u in urls),
+                    return_exceptions=True)
+            try:
+                worst = (-1.0, -1.0, "")
+                for url, out in zip(urls, asyncio.run(every())):
+                    if isinstance(out, BaseException):
+                        raise out
+                    mx, mean = probe_lib.logprob_diffs(trainer, out, probe_lib.PROMPT_LEN)
+                    worst = max(worst, (mean, mx, url))
+                result = (worst[1], worst[0], worst[2])
+            except Exception as error:
+                result = f"post-sync probe could not run: {type(error).__name__}: {error}"
+        result = self._bcast(result)
+        if isinstance(result, str):
+            raise WeightSyncError(result)
+        return result
 
 
 def default_disk_dir(run_dir: str) -> str:

@@ -2,13 +2,16 @@
 
     python tools/weight_sync/verify.py --model-path runs/quickstart/tiny_model --transport ipc
     torchrun --nproc-per-node 4 tools/weight_sync/verify.py --model-path DIR --tp 2 --pp 2 --transport broadcast
-    ... --engine-url http://127.0.0.1:30000      # use a running engine instead of starting a CPU server
+    ... --num-engines 2                          # two CPU engine servers (broadcast: both in each stage's group)
+    ... --engine-url http://127.0.0.1:30000      # use running engines (repeat the flag) instead of CPU servers
 
 Builds the Megatron policy (layout --tp × --pp), takes --steps SGD steps on a fixed loss so the
 weights move away from the checkpoint, pushes them to the engine with the chosen transport, then
-lets the engine sample fixed prompts and compares its behavior logprobs with the trainer's own
-logprobs of the same tokens. Prints as its last line one JSON object with `max_abs_logprob_diff`,
-the engine's `weight_version`, the sync seconds and bytes. Exit 0 when the diff ≤ --tol.
+lets every engine sample fixed prompts and compares its behavior logprobs with the trainer's own
+logprobs of the same tokens (independent of the bridge's own post-sync probe, whose numbers are
+reported too). Prints as its last line one JSON object with `max_abs_logprob_diff`, the engines'
+`weight_version`, the probe's `probe_max_abs_logprob_diff`, the sync seconds and bytes. Exit 0 when
+the diff ≤ --tol on every engine.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ def main() -> int:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--transport", default="ipc", choices=["ipc", "broadcast", "disk"])
-    p.add_argument("--engine-url", default="")
+    p.add_argument("--engine-url", action="append", default=[])
+    p.add_argument("--num-engines", type=int, default=1, help="CPU engine servers to start (without --engine-url)")
     p.add_argument("--bucket-mb", type=float, default=0.05, help="small by default so several buckets are used")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--version", type=int, default=1)
@@ -55,15 +59,15 @@ def main() -> int:
     rank0 = dist.get_rank() == 0
     tmp = tempfile.mkdtemp(prefix="mf_verify_") if rank0 else ""
     launcher = None
-    url = args.engine_url
-    if rank0 and not url:
+    urls = list(args.engine_url)
+    if rank0 and not urls:
         launcher = EngineLauncher(backend="cpu", model_path=args.model_path, base_port=free_port(),
-                                  run_dir=tmp, startup_timeout_s=180)
+                                  num_engines=args.num_engines, run_dir=tmp, startup_timeout_s=180)
         launcher.__enter__()
-        url = launcher.urls[0]
-    shared = [url, tmp]
+        urls = list(launcher.urls)
+    shared = [urls, tmp]
     dist.broadcast_object_list(shared, src=0)
-    url, tmp = shared
+    urls, tmp = shared
     code = 1
     try:
         gen = torch.Generator().manual_seed(0)
@@ -71,18 +75,19 @@ def main() -> int:
         batch = {"tokens": tokens, "loss_mask": torch.ones(8, 12)}
         for _ in range(args.steps):
             policy.train_step(batch, nll_loss_fn)
-        bridge = WeightBridge(policy, [url], transport=args.transport, bucket_mb=args.bucket_mb,
-                              disk_dir=os.path.join(tmp, "weights"))
+        bridge = WeightBridge(policy, urls, transport=args.transport, bucket_mb=args.bucket_mb,
+                              disk_dir=os.path.join(tmp, "weights"), fail_fast=True)
         report = bridge.sync(args.version)
 
         prompts = [[11, 9, 12, 10, 18], [5, 6, 7, 8], [20, 21, 22]]
         samples: list = [None]
         if rank0:
-            async def sample() -> list:
+            async def sample(url: str) -> list:
                 async with EngineClient(url) as client:
                     return [await client.generate(pr, {"temperature": 1.0, "max_new_tokens": 10, "ignore_eos": True})
                             for pr in prompts]
-            samples = [[(pr, r.output_ids, r.output_logprobs, r.weight_version) for pr, r in zip(prompts, asyncio.run(sample()))]]
+            samples = [[(pr, r.output_ids, r.output_logprobs, r.weight_version)
+                        for url in urls for pr, r in zip(prompts, asyncio.run(sample(url)))]]
         dist.broadcast_object_list(samples, src=0)
         worst = 0.0
         for prompt, out_ids, engine_lp, _ in samples[0]:
@@ -93,9 +98,14 @@ def main() -> int:
         code = 0 if worst <= args.tol else 1
         if rank0:
             print(json.dumps({"transport": args.transport, "tp": args.tp, "pp": args.pp,
-                              "max_abs_logprob_diff": worst, "weight_version": samples[0][0][3],
-                              "sync_seconds": round(report.seconds, 3), "bytes_sent": report.bytes_sent,
-                              "num_buckets": report.num_buckets, "ok": code == 0}))
+                              "num_engines": len(urls), "max_abs_logprob_diff": worst,
+                              "weight_version": samples[0][0][3],
+                              "weight_versions": sorted({s[3] for s in samples[0]}),
+                              "probe_max_abs_logprob_diff": report.max_abs_logprob_diff,
+                              "probe_mean_abs_logprob_diff": report.mean_abs_logprob_diff,
+                              "sync_seconds": round(report.seconds, 3), "probe_seconds": round(report.probe_seconds, 3),
+                              "bytes_sent": report.bytes_sent, "num_buckets": report.num_buckets,
+                              "synced_urls": report.synced_urls, "failed_urls": report.failed_urls, "ok": code == 0}))
     finally:
         if launcher is not None:
             launcher.__exit__(None, None, None)

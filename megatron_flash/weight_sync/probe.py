@@ -1,0 +1,89 @@
+"""Post-sync probe: does an engine compute the trainer's logprobs after a sync?
+
+A few fixed token sequences (deterministic, drawn from the vocabulary with a fixed seed) are split
+into a prompt and a continuation. The engine scores the continuation teacher-forced through SGLang's
+input logprobs, the trainer through `policy.compute_logprobs`; the per-token difference is the
+train/inference mismatch of the weights just pushed (≈1e-5 in fp32; a wrong name map, a missed
+bucket or a stale engine shows up as O(1)).
+
+Engine request (SGLang 0.5.23 `/generate`, one batch):
+    {"input_ids": [[prompt + continuation], ...], "return_logprob": true,
+     "logprob_start_len": len(prompt) - 1, "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}}
+→ per sequence `meta_info.input_token_logprobs` = [[logprob|null, token_id, text|null], ...] for
+input positions len(prompt)-1 … end. SGLang always reports null for the first listed position
+(its logits start there), so start one token early and drop that entry.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, Sequence
+
+import torch
+
+NUM_SEQUENCES = 4
+PROMPT_LEN = 8
+CONTINUATION_LEN = 8
+SEED = 20251122
+
+
+def probe_tokens(vocab_size: int, *, num_sequences: int = NUM_SEQUENCES, prompt_len: int = PROMPT_LEN,
+                 continuation_len: int = CONTINUATION_LEN, seed: int = SEED) -> torch.Tensor:
+    """[num_sequences, prompt_len + continuation_len] token ids in [1, vocab_size - 1), same on every rank."""
+    if vocab_size < 3:
+        raise ValueError(f"the probe needs a vocabulary of at least 3 tokens, got {vocab_size}")
+    gen = torch.Generator().manual_seed(seed)
+    # Ids 0 and vocab_size-1 avoided: SGLang reports ids ≥ vocab_size-1 as 0 in input logprobs.
+    return torch.randint(1, vocab_size - 1, (num_sequences, prompt_len + continuation_len), generator=gen)
+
+
+def generate_body(tokens: torch.Tensor, prompt_len: int) -> dict[str, Any]:
+    return {"input_ids": tokens.tolist(), "return_logprob": True, "logprob_start_len": prompt_len - 1,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}}
+
+
+def parse_continuation_logprobs(reply: Any, tokens: torch.Tensor, prompt_len: int, *, url: str) -> list[list[float]]:
+    """The engine's logprob of every continuation token, checked against the ids that were sent."""
+    rows = tokens.tolist()
+    if not isinstance(reply, list) or len(reply) != len(rows):
+        raise ValueError(f"probe: {url}/generate answered {type(reply).__name__} for a batch of {len(rows)}")
+    out = []
+    for i, (item, row) in enumerate(zip(reply, rows)):
+        entries = (item.get("meta_info") or {}).get("input_token_logprobs") if isinstance(item, dict) else None
+        expect = row[prompt_len - 1:]
+        if not isinstance(entries, list) or len(entries) != len(expect):
+            raise ValueError(f"probe: {url} sequence {i}: meta_info.input_token_logprobs has "
+                             f"{len(entries) if isinstance(entries, list) else entries!r} entries, expected "
+                             f"{len(expect)} (logprob_start_len={prompt_len - 1} of {len(row)} tokens)")
+        ids = [e[1] for e in entries]
+        if ids != expect:
+            raise ValueError(f"probe: {url} sequence {i}: input_token_logprobs are for ids {ids}, sent {expect}")
+        values = [e[0] for e in entries[1:]]
+        if any(not isinstance(v, (int, float)) for v in values):
+            raise ValueError(f"probe: {url} sequence {i}: non-numeric logprobs {values}")
+        out.append([float(v) for v in values])
+    return out
+
+
+def logprob_diffs(trainer_logprobs: torch.Tensor, engine_logprobs: Sequence[Sequence[float]],
+                  prompt_len: int) -> tuple[float, float]:
+    """(max, mean) |trainer − engine| over continuation tokens. `trainer_logprobs` is [B, S] with
+    column t the logprob of token t given tokens < t (policy.compute_logprobs)."""
+    trainer = trainer_logprobs[:, prompt_len:].double()
+    engine = torch.tensor(engine_logprobs, dtype=torch.float64)
+    diff = (trainer - engine).abs()
+    return float(diff.max()), float(diff.mean())
+
+
+async def engine_logprobs(url: str, tokens: torch.Tensor, prompt_len: int, *, api_key: Optional[str],
+                          timeout_s: float) -> list[list[float]]:
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        async with session.post(url.rstrip("/") + "/generate", json=generate_body(tokens, prompt_len),
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            text = await resp.text()
+            if resp.status >= 400:
+                raise ValueError(f"probe: {url}/generate: HTTP {resp.status}: {text[:500]}")
+    return parse_continuation_logprobs(json.loads(text), tokens, prompt_len, url=url)

@@ -1,0 +1,77 @@
+"""The weight bridge against every contract backend: a single-rank Megatron trainer (tools/weight_sync/
+verify.py as a subprocess) pushes its weights with each transport into this module's own server.
+
+    make test           → the CPU engine server
+    make test-sglang    → real SGLang 0.5.23 on CPU (MF_CONTRACT_BACKENDS=sglang)
+
+What a pass proves, per transport, on the real wire format: pause → begin → buckets (ForkingPickler
+payloads / a gloo group the engine joins / a safetensors directory) → update_weight_version → end →
+flush → continue; afterwards the engine samples with behavior logprobs equal to the trainer's own
+logprobs of the same tokens (≤ 1e-4, fp32), reports the new weight_version, and the bridge's post-sync
+probe (SGLang's teacher-forced input logprobs, `logprob_start_len`) agrees with the trainer too.
+
+Each transport pushes different weights (1, 2, 3 SGD steps from the checkpoint), so a transport that
+silently did nothing would leave the previous test's weights and fail the comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.contract.conftest import BACKENDS, REPO, launch_engine
+from tests.contract.helpers import http, post, teacher_logprobs
+
+TRANSPORTS = [("ipc", 1, 11), ("broadcast", 2, 12), ("disk", 3, 13)]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def server(request: pytest.FixtureRequest, tiny_models: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
+    server = launch_engine(request.param, tiny_models["llama"], str(tmp_path_factory.mktemp("weight_sync_logs")))
+    yield server
+    server.stop()
+
+
+def test_input_logprobs_for_the_probe(server) -> None:
+    """The probe's request (runs first: the server still has the checkpoint's weights): SGLang's
+    `logprob_start_len` semantics, equal to an independent teacher-forced forward."""
+    from megatron_flash.weight_sync import probe
+
+    with open(os.path.join(server.model_dir, "config.json")) as f:
+        tokens = probe.probe_tokens(json.load(f)["vocab_size"])
+    status, reply = post(server.url + "/generate", probe.generate_body(tokens, probe.PROMPT_LEN))
+    assert status == 200, reply
+    first = reply[0]["meta_info"]["input_token_logprobs"]
+    assert first[0][0] is None and [e[1] for e in first] == tokens[0, probe.PROMPT_LEN - 1:].tolist()
+    engine = probe.parse_continuation_logprobs(reply, tokens, probe.PROMPT_LEN, url=server.url)
+    for row, values in zip(tokens.tolist(), engine):
+        reference = teacher_logprobs(server.model_dir, row[:probe.PROMPT_LEN], row[probe.PROMPT_LEN:], temperature=1.0)
+        assert max(abs(a - b) for a, b in zip(values, reference)) <= 1e-4
+    status, reply = post(server.url + "/generate", {"input_ids": [5, 6, 7], "return_logprob": True,
+                                                    "logprob_start_len": 4, "sampling_params": {"max_new_tokens": 1}})
+    assert status == 400 or "logprob_start_len" in str(reply), reply  # past the prompt: refused
+
+
+@pytest.mark.parametrize("transport,steps,version", TRANSPORTS, ids=[t for t, _, _ in TRANSPORTS])
+def test_bridge_sync_is_exact_on_the_engine(server, tiny_models: dict[str, str], tmp_path, transport: str,
+                                            steps: int, version: int) -> None:
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    # Output to files, not pipes: with ipc the trainer's torch_shm_manager daemon inherits its stdout/stderr
+    # and lives as long as this module's server (a client of it), so a pipe would never reach EOF.
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        code = subprocess.run([sys.executable, "tools/weight_sync/verify.py", "--model-path", tiny_models["llama"],
+                               "--transport", transport, "--engine-url", server.url, "--steps", str(steps),
+                               "--version", str(version)], cwd=REPO, stdout=stdout, stderr=stderr, timeout=400,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}).returncode
+    assert code in (0, 1), f"verify crashed:\n{err.read_text()[-4000:]}\n--- server log ---\n{server.log_tail()}"
+    result = json.loads(out.read_text().strip().splitlines()[-1])
+    assert result["synced_urls"] == [server.url] and result["failed_urls"] == [], result
+    assert result["weight_versions"] == [str(version)], result
+    assert result["max_abs_logprob_diff"] <= 1e-4, result
+    assert result["probe_max_abs_logprob_diff"] <= 1e-4, result
+    status, info = http("GET", server.url + "/model_info")
+    assert status == 200 and info["weight_version"] == str(version)

@@ -23,6 +23,9 @@ N nodes (trainer on every node; c10d rendezvous on node 0's address; run on each
         --rdzv_endpoint=$MASTER_ADDR:29500 --rdzv_id=$JOB_ID launch/pretrain_async_rl.py \\
         --config configs/qwen3_32b_rlvr_gpu.yaml model.hf_path=/ckpt/Qwen3-32B
 
+On Slurm, launch/slurm/*.sbatch run these for you (colocated, split, or N trainer + M engine
+nodes); `python launch/slurm/render.py TEMPLATE` prints what each node would run (docs/cluster.md).
+
 Inspect the resolved config without starting anything:
 
     python launch/pretrain_async_rl.py --config configs/quickstart_cpu.yaml --print-config

@@ -136,10 +136,10 @@ class Controller:
         if self.mode == "full":
             from megatron_flash.weight_sync.bridge import WeightBridge, default_disk_dir
 
-            ws = cfg.weight_sync
-            self.bridge = WeightBridge(self.policy, urls, transport=ws.transport, bucket_mb=ws.bucket_mb,
-                                       pause_mode=cfg.rollout.pause_mode, api_key=cfg.engines.api_key,
-                                       disk_dir=default_disk_dir(self.run_dir))
+            self.bridge = WeightBridge.from_config(
+                self.policy, urls, cfg.weight_sync, pause_mode=cfg.rollout.pause_mode, api_key=cfg.engines.api_key,
+                disk_dir=default_disk_dir(self.run_dir), engine_tp_size=cfg.engines.tp_size,
+                master_address=_sender_address(urls))
             if self.version > 0:  # resumed: engines start from model.hf_path, the trainer is at V
                 self.bridge.sync(self.version)
         if self.rank == 0:  # engines hold the trainer's weights: rollout may start
@@ -310,9 +310,14 @@ class Controller:
         if self.bridge is not None:
             report = self.bridge.sync(self.version + 1)
             out["sync_gb"] = report.bytes_sent / 1e9
-            diff = getattr(report, "max_abs_logprob_diff", None)
-            if diff is not None:
-                out["train_infer_logprob_diff"] = float(diff)
+            out["engines_out_of_service"] = len(self.bridge.failed)
+            out["engines_resynced"] = len(report.resynced_urls)
+            if report.mean_abs_logprob_diff is not None:  # the post-sync probe, engine vs trainer
+                out["train_infer_logprob_diff"] = float(report.mean_abs_logprob_diff)
+                out["train_infer_logprob_diff_max"] = float(report.max_abs_logprob_diff)
+                out["time_probe"] = report.probe_seconds
+            if self.rank == 0 and self.runtime is not None:
+                self.runtime.note_sync(self.version + 1, {u: report.errors.get(u, "failed") for u in report.failed_urls})
         self.version += 1
         if self.rank == 0:
             self.staleness.set_version(self.version)
@@ -368,7 +373,7 @@ class Controller:
 
 
 LEDGER = "trained_prompts.jsonl"
-_SIGTERM = {"seen": False}
+_SIGTERM: dict[str, Any] = {"seen": False, "at": 0.0}
 
 
 def _install_sigterm_flag() -> None:
@@ -381,13 +386,18 @@ def _install_sigterm_flag() -> None:
     previous = signal.getsignal(signal.SIGTERM)
 
     def handler(signum: int, frame: Any) -> None:
-        if _SIGTERM["seen"] and callable(previous):  # a second SIGTERM: stop now (engines too)
+        now = time.monotonic()
+        if _SIGTERM["seen"] and now - _SIGTERM["at"] < 10.0:
+            # scancel signals every process of the job and torchrun forwards its own copy: one event.
+            return
+        if _SIGTERM["seen"] and callable(previous):  # a later SIGTERM: stop now (engines too)
             previous(signum, frame)
             return
         if _SIGTERM["seen"]:
             raise SystemExit(128 + signum)
-        _SIGTERM["seen"] = True
-        logger.warning("SIGTERM: checkpointing at the end of this step, then stopping (again to stop now)")
+        _SIGTERM["seen"], _SIGTERM["at"] = True, now
+        logger.warning("SIGTERM: checkpointing at the end of this step, then stopping (again after 10 s "
+                       "to stop now)")
 
     signal.signal(signal.SIGTERM, handler)
 
@@ -403,6 +413,20 @@ def _truncate_ledger(path: str, *, keep_through: int) -> None:
     with open(path + ".tmp", "w") as f:
         f.writelines(keep)
     os.replace(path + ".tmp", path)
+
+
+def _sender_address(urls: list[str]) -> str:
+    """Where engines reach this rank's weight-update group: loopback when every engine is local,
+    else this node's address (MF_WEIGHT_SYNC_ADDR overrides, e.g. an InfiniBand interface's IP)."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("MF_WEIGHT_SYNC_ADDR"):
+        return os.environ["MF_WEIGHT_SYNC_ADDR"]
+    hosts = {urlparse(u).hostname for u in urls}
+    if hosts <= {"127.0.0.1", "localhost", "::1"}:
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.getfqdn())
 
 
 def _picklable(obj: Any) -> bool:

@@ -527,6 +527,18 @@ class LLMProxy:
             raise
         await self._fan_out("end_weight_update", lambda c: c.end_weight_update(), targets)
 
+    def note_external_sync(self, weight_version: str, *, failed: Mapping[str, str] = {}) -> None:
+        """Weights were pushed around the proxy (the trainer's WeightBridge): the fleet is at
+        `weight_version` now, and the engines in `failed` (url → why) must stop serving. They stay
+        out until they report `weight_version` again (the health loop checks), so an engine with
+        partial or old weights never serves samples labelled with the new version."""
+        self._note_version(weight_version)
+        by_url = {e.client.url: e for e in self._engines}
+        for url, why in failed.items():
+            engine = by_url.get(url.rstrip("/"))
+            if engine is not None:
+                self._mark_unhealthy(engine, RuntimeError(f"taken out of service by weight sync: {why}"))
+
     def _note_version(self, weight_version: Optional[str]) -> None:
         if weight_version is not None:
             self._fleet_weight_version = weight_version

@@ -117,7 +117,10 @@ class RolloutRuntime:
         """Launch (or attach) the engines and wait until they are healthy."""
         from megatron_flash.rollout.sglang_launcher import EngineLauncher
 
-        self.launcher = EngineLauncher.from_config(self.cfg.engines, model_path=self.model_path, run_dir=self.run_dir)
+        # Launched GPU engines default to the GPUs after this node's trainer ranks (engines.gpu_ids).
+        first_gpu = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) if self.cfg.engines.backend == "sglang" else 0
+        self.launcher = EngineLauncher.from_config(self.cfg.engines, model_path=self.model_path, run_dir=self.run_dir,
+                                                   first_gpu=first_gpu)
         self.urls = self.launcher.start()
         return self.urls
 
@@ -202,6 +205,16 @@ class RolloutRuntime:
     def requeue(self, group: Group) -> None:
         if self.scheduler is not None:
             self.scheduler.requeue_prompt(group)
+
+    def note_sync(self, version: int, failed: dict[str, str]) -> None:
+        """After a push: the proxy learns the fleet version and stops routing to failed engines."""
+        if self._loop is None or self._proxy is None or not self._loop.is_running():
+            return
+
+        async def note() -> None:
+            self._proxy.note_external_sync(str(version), failed=failed)
+
+        asyncio.run_coroutine_threadsafe(note(), self._loop).result(timeout=30)
 
     def take_metrics(self) -> tuple[RolloutStats, dict[str, float]]:
         """This window's rollout counters and the proxy's engine metrics; starts a new window."""

@@ -414,3 +414,20 @@ def test_generate_n_validation() -> None:
         assert one.rid == "solo" and "n" not in fakes[0].requests[-1]["body"]["sampling_params"]
 
     run_with_fakes(body, num_engines=1)
+
+
+def test_an_engine_failed_by_an_external_sync_stays_out_until_it_reports_the_fleet_version() -> None:
+    async def body(fakes: List[FakeEngine], proxy: LLMProxy) -> None:
+        for f in fakes:
+            f.weight_version = "3"
+        fakes[1].weight_version = "2"  # the sync failed on engine 1: it still has (maybe partial) v2
+        proxy.note_external_sync("3", failed={fakes[1].url: "bucket 4 timed out"})
+        results = await asyncio.gather(*(proxy.generate([1], {"max_new_tokens": 2}, rid=f"x{i}") for i in range(8)))
+        assert len(results) == 8 and not fakes[1].completed  # nothing routed to the failed engine
+        await asyncio.sleep(0.3)  # health checks run every 0.05 s: /health is fine, the version is not
+        m = proxy.metrics().engines[1]
+        assert not m.healthy and "weight_version '2'" in m.unhealthy_reason
+        fakes[1].weight_version = "3"  # re-synced elsewhere: re-admitted on the next check
+        await wait_until(lambda: proxy.metrics().engines[1].healthy)
+
+    run_with_fakes(body, latency_s=0.0)

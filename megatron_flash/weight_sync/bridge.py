@@ -151,7 +151,6 @@ class WeightBridge:
         """Engines taken out of service by earlier syncs: url → why."""
         layout = policy.layout
         self.rank0 = layout.rank == 0
-        self.is_sender = layout.tp_rank == 0 and layout.dp_rank == 0
         self._group: Optional[tuple[tuple[str, ...], str, Any]] = None  # this stage's (members, name, group)
 
     @classmethod
@@ -244,7 +243,7 @@ class WeightBridge:
             retry = self._alive(sorted(errors)) if errors else []
             if not retry:
                 break
-            again, s, b = self._pass(version, retry)
+            again, s, b = self._pass(version, retry, resync=True)
             sent, buckets = sent + s, buckets + b
             for url in retry:
                 if url in again:
@@ -278,12 +277,15 @@ class WeightBridge:
         report.seconds = time.perf_counter() - t0
         return report
 
-    def _pass(self, version: int, targets: list[str]) -> tuple[dict[str, str], int, int]:
+    def _pass(self, version: int, targets: list[str], *, resync: bool = False) -> tuple[dict[str, str], int, int]:
         """One attempt to bring `targets` to `version`. Collective. Returns (errors, bytes, buckets)."""
         tensor_path = self.transport != "disk"
         errors: dict[str, str] = {}
         if self.rank0:
             _, errors = self._fan("pause_generation", targets, lambda c: c.pause_generation(self.pause_mode))
+            if tensor_path and resync:  # a session left open (by the failed pass, or a crashed trainer) blocks begin
+                self._fan("end_weight_update", [u for u in targets if u not in errors],
+                          lambda c: c.end_weight_update(), session=True, retries=0)
             if tensor_path:
                 _, begin = self._fan("begin_weight_update", [u for u in targets if u not in errors],
                                      lambda c: c.begin_weight_update(), session=True)

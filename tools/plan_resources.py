@@ -1,0 +1,212 @@
+"""How many GPUs for rollout? Predict sync vs async step time over train/rollout splits (issue 9).
+
+    python tools/plan_resources.py --params 7e9 --layers 28 --hidden 3584 --kv-heads 4 --gpu H100 \\
+        --total-gpus 40 --batch-size 512 --group-size 8 --lengths lognormal --len-mean 4000 --len-sigma 1.0
+    python tools/plan_resources.py --config plan.yaml --png runs/plan.png
+    python tools/plan_resources.py ... --measured runs/x/metrics.jsonl --measured-train-gpus 8
+
+YAML keys are the flag names with '_' for '-'. `--measured` (a previous run's metrics.jsonl, steady-state
+median of time_train, time_sync, time_rollout_wait from an α = 0 run) overrides the model: train and
+sync seconds are taken as measured (scaled by --measured-train-gpus / train GPUs) and the decode model
+is scaled so that the simulated synchronous generation time equals the measured one.
+Model and simulator: megatron_flash/planner.py. Last line: a JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_flash import planner  # noqa: E402
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--config", default="", help="YAML of flag values (flags given explicitly win)")
+    a("--params", type=float, default=7e9)
+    a("--layers", type=int, default=28)
+    a("--hidden", type=int, default=3584)
+    a("--kv-heads", type=int, default=4)
+    a("--head-dim", type=int, default=128)
+    a("--gpu", default="H100", help=f"{sorted(planner.GPU_TABLE)} or a custom name with the four numbers")
+    a("--gpu-flops", type=float, default=0.0)
+    a("--gpu-hbm-gbs", type=float, default=0.0)
+    a("--gpu-mem-gb", type=float, default=0.0)
+    a("--gpu-link-gbs", type=float, default=0.0)
+    a("--total-gpus", type=int, default=40)
+    a("--engine-tp", type=int, default=1)
+    a("--train-unit", type=int, default=8, help="train GPUs come in multiples of TP×PP (and DP≥1)")
+    a("--batch-size", type=int, default=512)
+    a("--group-size", type=int, default=8)
+    a("--prompt-len", type=int, default=512)
+    a("--lengths", default="lognormal", choices=["lognormal", "inv_k", "constant", "file"])
+    a("--len-mean", type=float, default=4000)
+    a("--len-sigma", type=float, default=1.0)
+    a("--max-len", type=int, default=16384)
+    a("--lengths-file", default="", help="jsonl with response lengths (metrics / groups dumps)")
+    a("--num-turns", type=int, default=1, help="agentic: generation segments per sample")
+    a("--env-latency-mean", type=float, default=0.0, help="seconds; lognormal with --env-latency-sigma")
+    a("--env-latency-sigma", type=float, default=1.0)
+    a("--env-mode", default="async", choices=["async", "batch"])
+    a("--alpha", type=int, default=2)
+    a("--scheduling", default="queue", choices=["queue", "batch"])
+    a("--no-prompt-replication", action="store_true")
+    a("--extra-groups", type=int, default=0)
+    a("--mfu", type=float, default=0.4)
+    a("--max-running", type=int, default=256)
+    a("--sync-overhead-s", type=float, default=1.0)
+    a("--measured", default="", help="metrics.jsonl of an α = 0 run whose times override the model")
+    a("--measured-train-gpus", type=int, default=0)
+    a("--steps", type=int, default=30)
+    a("--seed", type=int, default=0)
+    a("--png", default="", help="write speedup vs split and vs α here")
+    args = p.parse_args(argv)
+    if args.config:
+        import yaml
+        with open(args.config) as f:
+            cfg = yaml.safe_load(f) or {}
+        given = {x.split("=")[0].lstrip("-").replace("-", "_") for x in (argv or sys.argv[1:]) if x.startswith("--")}
+        for k, v in cfg.items():
+            k = k.replace("-", "_")
+            if not hasattr(args, k):
+                raise ValueError(f"{args.config}: unknown key {k!r}")
+            if k not in given:
+                setattr(args, k, v)
+    return args
+
+
+def measured_times(path: str, skip: int = 3) -> dict[str, float]:
+    rows = [json.loads(x) for x in open(path) if x.strip()]
+    rows = rows[skip:] or rows
+    keys = ("time_train", "time_sync", "tokens_per_s", "time_rollout_wait", "response_len_mean", "samples_per_s",
+            "time_step")
+    return {k: statistics.median(float(r[k]) for r in rows if k in r) for k in keys if any(k in r for r in rows)}
+
+
+def build(args: argparse.Namespace):
+    model = planner.ModelSpec(num_params=args.params, num_layers=args.layers, hidden_size=args.hidden,
+                              num_kv_heads=args.kv_heads, head_dim=args.head_dim)
+    gpu = planner.GPUSpec.from_name(args.gpu, flops=args.gpu_flops, hbm_gbs=args.gpu_hbm_gbs,
+                                    mem_gb=args.gpu_mem_gb, link_gbs=args.gpu_link_gbs)
+    if args.lengths == "lognormal":
+        lengths = planner.lognormal_lengths(args.len_mean, args.len_sigma, args.max_len)
+    elif args.lengths == "inv_k":
+        lengths = planner.inv_k_lengths(args.max_len)
+    elif args.lengths == "constant":
+        lengths = lambda rng, m=int(args.len_mean): m  # noqa: E731
+    else:
+        lengths = planner.empirical_lengths(planner.read_lengths_file(args.lengths_file))
+    env = (planner.lognormal_lengths(args.env_latency_mean, args.env_latency_sigma, 10**9)
+           if args.env_latency_mean > 0 else (lambda rng: 0.0))
+    env_s = (lambda rng: float(env(rng))) if args.env_latency_mean >= 1 else (
+        lambda rng: args.env_latency_mean * rng.lognormvariate(-args.env_latency_sigma ** 2 / 2, args.env_latency_sigma)
+        if args.env_latency_mean > 0 else 0.0)
+    work = planner.Workload(batch_size=args.batch_size, group_size=args.group_size, prompt_len=args.prompt_len,
+                            lengths=lengths, num_turns=args.num_turns, env_latency=env_s)
+    mean_len = planner._mean_len(work)
+    costs = planner.Costs.from_models(model=model, gpu=gpu, engine_tp=args.engine_tp,
+                                      mean_ctx=args.prompt_len + mean_len / 2, max_ctx=args.prompt_len + args.max_len,
+                                      mfu=args.mfu, max_running=args.max_running,
+                                      sync_overhead_s=args.sync_overhead_s, prompt_len=args.prompt_len)
+    return work, costs
+
+
+def apply_measured(args, work, costs):
+    """Measured α = 0 times → train/sync fixed, decode scaled to reproduce the measured generation time."""
+    m = measured_times(args.measured)
+    g0 = args.measured_train_gpus or args.total_gpus
+    if "time_train" in m:
+        costs.train_s = lambda g, tokens, t=m["time_train"]: t * g0 / g
+    if "time_sync" in m:
+        costs.sync_s = m["time_sync"]
+    if "time_rollout_wait" in m:
+        engines = max(1, (args.measured_rollout_gpus or args.total_gpus) // args.engine_tp)
+        sim = planner.simulate(work=work, costs=costs, num_engines=engines, train_gpus=g0, alpha=0,
+                               num_steps=args.steps, scheduling=args.scheduling, seed=args.seed)
+        gen = sim.sec_per_step - costs.train_s(g0, 0) - costs.sync_s
+        scale = m["time_rollout_wait"] / max(gen, 1e-9)
+        base = costs.decode_step
+        costs.decode_step = lambda k, b=base, s=scale: s * b(k)
+        costs.prefill_s *= scale
+    return m
+
+
+def evaluate(args, work, costs) -> dict:
+    common = dict(work=work, costs=costs, num_steps=args.steps, scheduling=args.scheduling,
+                  prompt_replication=not args.no_prompt_replication, extra_groups=args.extra_groups,
+                  env_mode=args.env_mode, seed=args.seed)
+    G, tp, unit = args.total_gpus, args.engine_tp, args.train_unit
+    base = planner.simulate(num_engines=max(1, G // tp), train_gpus=G, alpha=0, colocated=True, **common)
+    rows = []
+    for train in range(unit, G, unit):
+        engines = (G - train) // tp
+        if engines < 1:
+            continue
+        r = planner.simulate(num_engines=engines, train_gpus=train, alpha=args.alpha, **common)
+        rows.append({"train_gpus": train, "rollout_gpus": engines * tp, "sec_per_step": r.sec_per_step,
+                     "samples_per_s": r.samples_per_s, "train_idle": r.train_idle_frac,
+                     "rollout_idle": r.rollout_idle_frac, "staleness": r.staleness_mean,
+                     "speedup": base.sec_per_step / r.sec_per_step})
+    if not rows:
+        raise ValueError(f"total_gpus={G} leaves no split with train_unit={unit} and engine_tp={tp}")
+    best = max(rows, key=lambda x: x["speedup"])
+    alphas = {}
+    for a in (0, 1, 2, 4, 8):
+        r = planner.simulate(num_engines=best["rollout_gpus"] // tp, train_gpus=best["train_gpus"], alpha=a, **common)
+        alphas[a] = base.sec_per_step / r.sec_per_step
+    return {"baseline": {"sec_per_step": base.sec_per_step, "samples_per_s": base.samples_per_s,
+                         "idle": base.train_idle_frac}, "rows": rows, "best": best, "speedup_vs_alpha": alphas}
+
+
+def plot(path: str, out: dict, alpha: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    a1.plot([r["rollout_gpus"] for r in out["rows"]], [r["speedup"] for r in out["rows"]], "o-")
+    a1.set_xlabel("rollout GPUs (rest train)")
+    a1.set_ylabel("speedup vs sync colocated")
+    a1.set_title(f"α = {alpha}")
+    a1.axhline(1.0, color="gray", lw=0.5)
+    xs = sorted(out["speedup_vs_alpha"])
+    a2.plot(xs, [out["speedup_vs_alpha"][x] for x in xs], "o-")
+    a2.set_xlabel("α")
+    a2.set_title(f"{out['best']['train_gpus']} train / {out['best']['rollout_gpus']} rollout")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    args.measured_rollout_gpus = getattr(args, "measured_rollout_gpus", 0)
+    work, costs = build(args)
+    measured = apply_measured(args, work, costs) if args.measured else {}
+    out = evaluate(args, work, costs)
+    print(f"baseline sync colocated on {args.total_gpus} GPUs: {out['baseline']['sec_per_step']:.2f} s/step, "
+          f"engine cap {costs.engine_cap} seqs, sync {costs.sync_s:.2f} s")
+    print(f"{'train':>5} {'rollout':>7} {'s/step':>8} {'samples/s':>9} {'train idle':>10} {'rollout idle':>12} "
+          f"{'staleness':>9} {'speedup':>7}")
+    for r in out["rows"]:
+        print(f"{r['train_gpus']:>5} {r['rollout_gpus']:>7} {r['sec_per_step']:>8.2f} {r['samples_per_s']:>9.2f} "
+              f"{r['train_idle']:>10.2f} {r['rollout_idle']:>12.2f} {r['staleness']:>9.2f} {r['speedup']:>7.2f}")
+    b = out["best"]
+    print(f"recommended: {b['train_gpus']} train / {b['rollout_gpus']} rollout GPUs, {b['speedup']:.2f}× "
+          f"(α = {args.alpha}); speedup vs α: " +
+          ", ".join(f"{a}: {s:.2f}" for a, s in out["speedup_vs_alpha"].items()))
+    if args.png:
+        plot(args.png, out, args.alpha)
+    print(json.dumps({"recommended": {"train_gpus": b["train_gpus"], "rollout_gpus": b["rollout_gpus"]},
+                      "speedup": round(b["speedup"], 3), "sec_per_step": round(b["sec_per_step"], 3),
+                      "baseline_sec_per_step": round(out["baseline"]["sec_per_step"], 3),
+                      "speedup_vs_alpha": {str(k): round(v, 3) for k, v in out["speedup_vs_alpha"].items()},
+                      "measured": measured, "png": args.png or None}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

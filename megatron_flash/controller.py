@@ -198,7 +198,7 @@ class Controller:
         if cfg.agentic.env:  # groups are episodes of one env seed each
             from megatron_flash.agentic.env_manager import SeedDataset
 
-            dataset: Any = SeedDataset(first_seed=cfg.agentic.seed)
+            dataset: Any = SeedDataset(first_seed=cfg.agentic.seed, num_seeds=cfg.agentic.num_seeds)
         else:
             dataset = PromptDataset.from_config(cfg.data, self.tokenizer, seed=cfg.trainer.seed)
         self.buffer = SampleBuffer(self.staleness, stale_policy=cfg.async_rl.stale_policy, on_evict=self._on_evict)

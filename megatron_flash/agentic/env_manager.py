@@ -84,13 +84,14 @@ class SeedPrompt:
 
 
 class SeedDataset:
-    def __init__(self, *, first_seed: int = 0) -> None:
-        self.first_seed, self._next = first_seed, 0
+    def __init__(self, *, first_seed: int = 0, num_seeds: int = 0) -> None:
+        self.first_seed, self.num_seeds, self._next = first_seed, num_seeds, 0
 
     def next_prompt(self) -> SeedPrompt:
         i = self._next
         self._next += 1
-        return SeedPrompt(index=i, seed=self.first_seed + i, text=f"env seed {self.first_seed + i}")
+        seed = self.first_seed + (i % self.num_seeds if self.num_seeds else i)
+        return SeedPrompt(index=i, seed=seed, text=f"env seed {seed}")
 
     def state_dict(self) -> dict[str, int]:
         return {"position": self._next}

@@ -434,6 +434,9 @@ class AgenticConfig(_Section):
     mean_s: 0.05, std_s: 0.05}, failure_prob: 0.01}; empty = none."""
     seed: int = 0
     """First environment seed; group g uses seed + (its dataset index)."""
+    num_seeds: int = 0
+    """0 = a new env seed for every group; N > 0 = cycle through seeds seed … seed + N − 1 (a fixed
+    task set, e.g. to watch a tiny model learn a few maps)."""
 
     def validate(self) -> None:
         for name in ("max_turns", "max_tokens_per_turn", "max_episode_tokens"):
@@ -442,6 +445,7 @@ class AgenticConfig(_Section):
         self._positive("reset_timeout_s")
         self._positive("step_timeout_s")
         self._at_least("seed", 0)
+        self._at_least("num_seeds", 0)
 
 
 @dataclass
@@ -567,7 +571,7 @@ class RunConfig:
                 f"agentic.max_episode_tokens must be < trainer.max_seq_len={trainer.max_seq_len} "
                 f"(the first observation needs room), got {self.agentic.max_episode_tokens}"
             )
-        if rollout.max_new_tokens >= trainer.max_seq_len:
+        if not self.agentic.env and rollout.max_new_tokens >= trainer.max_seq_len:
             raise ValueError(
                 f"rollout.max_new_tokens must be < trainer.max_seq_len={trainer.max_seq_len} "
                 f"(the prompt needs room), got {rollout.max_new_tokens}"

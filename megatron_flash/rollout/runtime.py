@@ -55,7 +55,8 @@ class GroupDump:
                   "samples": [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids,
                                "behavior_logprobs": s.behavior_logprobs, "reward": s.reward,
                                "finished": s.finished, "finish_reason": s.finish_reason,
-                               "version_start": s.version_start, "version_end": s.version_end}
+                               "version_start": s.version_start, "version_end": s.version_end,
+                               "token_versions": s.token_versions, "response_mask": s.response_mask}
                               for s in group.samples]}
         with self._lock:
             self._f.write(json.dumps(record) + "\n")

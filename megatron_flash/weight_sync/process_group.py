@@ -32,9 +32,12 @@ def new_weight_update_group(*, master_address: str, master_port: int, rank: int,
     from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
-    # is_master decided by our rank, never by the environment (see the module docstring).
+    # is_master decided by our rank, never by the environment (see the module docstring). A client
+    # must register with the store's worker count (wait_for_workers=True on a client does exactly
+    # that, without waiting): a master made by torch's rendezvous — SGLang's trainer-side helper —
+    # waits for world_size registrations and times out otherwise. Our own master does not wait.
     store = TCPStore(host_name=master_address, port=master_port, world_size=world_size, is_master=rank == 0,
-                     timeout=timeout, wait_for_workers=False, multi_tenant=True)
+                     timeout=timeout, wait_for_workers=rank != 0, multi_tenant=True)
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                          group_name=group_name, backend_options=None, timeout=timeout)
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}

@@ -1,0 +1,108 @@
+"""Prompt replication on vs off: a prompt's n responses as n requests spread over engines, or one request
+with SGLang's `n` on one engine.
+
+    OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py [--steps 10] [--engines 2] [--max-inflight 16]
+
+Both modes run the product's rollout (`launch/pretrain_async_rl.py trainer.mode=rollout_only`, no
+trainer) on the same --engines CPU engine servers (same flags), same model and data; only
+`rollout.prompt_replication` differs:
+
+  on    each response is its own request; the proxy sends it to the least-loaded engine the moment
+        a slot frees (slots: --max-inflight per engine, `engines.max_inflight_per_engine`), so a
+        group's n responses spread over the engines and each slot frees when its response ends;
+  off   one request per prompt asks for n samples (`generate_n`); it runs on one engine and holds n
+        slots there until its slowest response ends.
+
+Workload: the long-tail model of benchmarks/benchlib.py (response lengths P(k) ∝ 1/k, 1 ≤ k ≤ --max-len,
+independently per response, so a group's slowest response is ~3× its mean); --prompts × --n samples
+per step; α = --alpha (default 2: the rollout side runs ahead, so steps measure generation
+throughput, not a per-step barrier). The first --skip steps are left out; modes interleave over
+--rounds.
+
+The last line is a JSON object: seconds per step and engine idle fraction per mode, `speedup` =
+s/step(off) / s/step(on) (paper: 1.84–1.95×).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--skip", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2, help="runs per mode, interleaved")
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--max-inflight", type=int, default=16, help="engines.max_inflight_per_engine")
+    p.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--alpha", type=int, default=2)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=32)
+    p.add_argument("--num-blocks", type=int, default=512, help="engine KV blocks of 16 tokens")
+    p.add_argument("--model-path", default="")
+    p.add_argument("--out", default="runs/bench_prompt_replication")
+    args = p.parse_args()
+    name = "prompt_replication"
+    model = args.model_path or benchlib.long_tail_model(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                                                        max_len=args.max_len, name=name)
+    batch = args.prompts * args.n
+    common = ["data.task=countdown", "trainer.mode=rollout_only", f"trainer.total_steps={args.steps}",
+              f"trainer.global_batch_size={batch}", f"trainer.micro_batch_size={batch}",
+              f"rollout.n_samples_per_prompt={args.n}", f"rollout.max_new_tokens={args.max_len + 8}",
+              f"trainer.max_seq_len={args.max_len + 16}", f"async_rl.alpha={args.alpha}",
+              f"engines.max_inflight_per_engine={args.max_inflight}",
+              f"engines.server_args.num_blocks={args.num_blocks}", "engines.server_args.max_batch_tokens=512"]
+    keys = ("time_step", "engine_idle_frac", "tokens_per_s", "response_len_mean")
+    results: dict[str, list[dict]] = {"on": [], "off": []}
+    t0, load_before = time.time(), benchlib.uptime_load()
+    for r in range(args.rounds):
+        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            rows, mon = benchlib.run_pipeline(
+                model=model, run_dir=os.path.join(benchlib.REPO, args.out, f"{mode}_r{r}"), name=name,
+                num_engines=args.engines, monitor=True,
+                overrides=[*common, f"rollout.prompt_replication={'true' if mode == 'on' else 'false'}"])
+            s = benchlib.steady(rows, skip=args.skip, keys=keys)
+            s.update(mon.cores(skip=args.skip) if mon is not None else {})
+            if "cores_engines" in s:  # engine CPU per generated token: how hard the engines worked, load aside
+                s["engine_cpu_ms_per_token"] = 1e3 * s["cores_engines"] / max(s["tokens_per_s"], 1e-9)
+            results[mode].append(s)
+            benchlib.log(name, f"replication {mode} round {r}: {s['time_step']:.3f} s/step, engine idle "
+                               f"{s['engine_idle_frac']:.2f}")
+
+    def mean(mode: str, key: str) -> float:
+        vals = [s[key] for s in results[mode] if key in s]
+        return round(statistics.fmean(vals), 4) if vals else float("nan")
+
+    result: dict = {"engines": args.engines, "max_inflight_per_engine": args.max_inflight, "prompts": args.prompts,
+                    "n": args.n, "alpha": args.alpha, "steps": args.steps, "skip": args.skip, "rounds": args.rounds,
+                    "model": os.path.relpath(model, benchlib.REPO)}
+    for mode in ("on", "off"):
+        result[mode] = {k: mean(mode, k) for k in (*keys, "cores_trainer", "cores_engines", "cores_others",
+                                                   "engine_cpu_ms_per_token")}
+        result[mode]["samples_per_s"] = round(batch / result[mode]["time_step"], 2)
+        result[mode]["sec_per_step_per_round"] = [round(s["time_step"], 3) for s in results[mode]]
+    # Runs of one round are back to back, so they share the load of other work on the machine: the
+    # per-round ratios and their median are steadier than the ratio of means when that load varies.
+    per_round = [x["time_step"] / y["time_step"] for x, y in zip(results["off"], results["on"])]
+    result["speedup_per_round"] = [round(v, 3) for v in per_round]
+    result["speedup_median"] = round(statistics.median(per_round), 3)
+    result["speedup"] = round(result["off"]["time_step"] / result["on"]["time_step"], 3)
+    result["load_avg_1m_before"] = load_before
+    result["seconds"] = round(time.time() - t0, 1)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

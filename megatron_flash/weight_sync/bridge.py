@@ -303,7 +303,10 @@ class WeightBridge:
         if self.rank0:
             errors.update(self._finish(version, active, errors, tensor_path=tensor_path))
         errors = self._bcast(errors)
-        totals = torch.tensor([sent, buckets], dtype=torch.long)
+        # NCCL (the default group on GPU trainers) reduces CUDA tensors only.
+        on_gpu = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        totals = torch.tensor([sent, buckets], dtype=torch.long, device=device)
         dist.all_reduce(totals)
         return errors, int(totals[0]), int(totals[1])
 

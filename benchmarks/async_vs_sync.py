@@ -11,6 +11,7 @@ engine server. Same model, data and response-length distribution in both:
            response; benchmarks/benchlib.py), so a batch's slowest response is ~4× its mean;
   policy   moves only slightly (lr --lr, default 1e-6) so both modes generate the same length
            distribution all run long (learning is benchmarks/learning.py's subject);
+  engine   the quickstart's CPU engine server (64 KV blocks: ~21 requests run at once);
   batch    --prompts × --n samples per step, one micro-batch; ppo loss.
 
 The model size is the knob that balances the two stages: with α = 0 a step is rollout + train + sync
@@ -19,10 +20,14 @@ stages balanced the ceiling is 2×; `ideal_speedup` is the ceiling for the measu
 (sum / max). Modes are interleaved over --rounds (α=0, α=2, then α=2, α=0, ...) so that load from
 other work on the machine hits both; the first --skip steps of each run are left out (start-up, the
 first weight push, the α = 2 pipeline filling). Each run also records the cores its processes got
-(from /proc), and the cores used by everything else on the machine.
+(from /proc: the trainer's main thread, its other threads = the rollout loop, the engine), and the
+cores used by everything else on the machine: with other work taking a core, α = 2 cannot get the two
+cores it overlaps on and the speedup collapses (docs/benchmarks.md).
 
-The last line is a JSON object: sec_per_step, samples_per_s and stage times per mode, `speedup` =
-s/step(α=0) / s/step(α=2) (paper: 2.24×), `ideal_speedup`.
+The last line is a JSON object: per mode the steady-state s/step (`time_step`), samples/s, stage
+times, engine idle fraction, cores and CPU seconds per step, and per round; `speedup` =
+s/step(α=0) / s/step(α=2) of the means (paper: 2.24×), `speedup_median` of the per-round ratios,
+`ideal_speedup`.
 """
 
 from __future__ import annotations
@@ -104,7 +109,10 @@ def main() -> int:
     for mode in ("sync", "async"):
         result[mode] = {k: mean(mode, k) for k in keys}
         result[mode]["samples_per_s"] = round(batch / result[mode]["time_step"], 2)  # of the mean step time
-        result[mode]["sec_per_step_per_round"] = [round(s["time_step"], 3) for s in runs[mode]]
+        result[mode]["per_round"] = [{k: round(s[k], 3) for k in ("time_step", "time_rollout_wait", "time_train",
+                                                                  "time_sync", "engine_idle_frac", "cores_trainer",
+                                                                  "cores_engines", "cores_others") if k in s}
+                                     for s in runs[mode]]
     s, a = result["sync"], result["async"]
     stage_rollout, stage_train = s["time_rollout_wait"], s["time_train"] + s["time_sync"]
     result["ideal_speedup"] = round((stage_rollout + stage_train) / max(stage_rollout, stage_train), 3)

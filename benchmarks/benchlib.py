@@ -9,6 +9,10 @@
   Cached by its arguments under runs/bench_models/.
 * **run_pipeline**: one run of the product (`launch/pretrain_async_rl.py`, its own process, which
   starts its own CPU engine servers) with key=value overrides; returns the rows of metrics.jsonl.
+* **graded_reward** / **write_graded_data**: a verifier stand-in with a per-prompt pass rate (a data
+  column), so a known share of groups has all-equal rewards and a dynamic filter drops them.
+* **CpuMonitor**: the cores the trainer process (main thread vs the rest, i.e. the rollout loop), its
+  engine servers and everything else on the machine got, per step, from /proc.
 * **steady**: means over the steps after the first few (start-up, first weight push, JIT warm-up).
 """
 
@@ -27,6 +31,8 @@ import time
 from typing import Any, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 MODELS_DIR = os.path.join(REPO, "runs", "bench_models")
 # One product run's config: the CPU quickstart, quiet logging, no HF export at the end.
 BASE_OVERRIDES = ["logging.wandb_mode=disabled", "logging.tensorboard=false", "checkpoint.save_hf_at_end=false"]
@@ -132,7 +138,6 @@ def _warm_main(argv: Sequence[str]) -> int:
     p.add_argument("--sft-steps", type=int, default=150)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    sys.path.insert(0, REPO)
     sys.path.insert(0, os.path.join(REPO, "launch"))
     import torch
     import transformers
@@ -166,7 +171,6 @@ def graded_reward(response_text: str, answer: str, *, finished: bool, prompt: st
 
 def write_graded_data(path: str, *, rows: int, pass_rates: Sequence[float], seed: int) -> None:
     """Countdown prompts with a `pass_rate` column drawn from pass_rates (for graded_reward)."""
-    sys.path.insert(0, REPO)
     from megatron_flash.rewards.synthetic import get_task
 
     task, rng = get_task("countdown"), random.Random(seed)

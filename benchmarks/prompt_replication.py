@@ -1,7 +1,7 @@
 """Prompt replication on vs off: a prompt's n responses as n requests spread over engines, or one request
 with SGLang's `n` on one engine.
 
-    OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py [--steps 10] [--engines 2] [--max-inflight 16]
+    OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py [--steps 10] [--rounds 2] [--engines 2] [--max-inflight 8]
 
 Both modes run the product's rollout (`launch/pretrain_async_rl.py trainer.mode=rollout_only`, no
 trainer) on the same --engines CPU engine servers (same flags), same model and data; only
@@ -16,8 +16,11 @@ trainer) on the same --engines CPU engine servers (same flags), same model and d
 Workload: the long-tail model of benchmarks/benchlib.py (response lengths P(k) ∝ 1/k, 1 ≤ k ≤ --max-len,
 independently per response, so a group's slowest response is ~3× its mean); --prompts × --n samples
 per step; α = --alpha (default 2: the rollout side runs ahead, so steps measure generation
-throughput, not a per-step barrier). The first --skip steps are left out; modes interleave over
---rounds.
+throughput, not a per-step barrier; --alpha 0 measures a synchronous step's rollout). The first --skip
+steps are left out; modes interleave over --rounds. Default --max-inflight 8 = one group per engine
+with replication off: a decode step of the CPU engine costs about the same for 1 to ~8 sequences,
+as a GPU's does up to large batches, so a slot held by a finished response wastes about what it
+wastes on a GPU (docs/benchmarks.md has --max-inflight 16 too, where per-request overhead wins).
 
 The last line is a JSON object: seconds per step and engine idle fraction per mode, `speedup` =
 s/step(off) / s/step(on) (paper: 1.84–1.95×).
@@ -42,7 +45,8 @@ def main() -> int:
     p.add_argument("--skip", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2, help="runs per mode, interleaved")
     p.add_argument("--engines", type=int, default=2)
-    p.add_argument("--max-inflight", type=int, default=16, help="engines.max_inflight_per_engine")
+    p.add_argument("--max-inflight", type=int, default=8,
+                   help="engines.max_inflight_per_engine (>= --n: one request with n holds n slots)")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step")
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--alpha", type=int, default=2)

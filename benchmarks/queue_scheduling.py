@@ -51,8 +51,6 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 
-sys.path.insert(0, benchlib.REPO)
-
 
 class IdleClock:
     """Per engine: seconds with nothing of ours in flight (the proxy's idle_fraction, for the baseline)."""
@@ -85,6 +83,8 @@ class IdleClock:
 
 async def batch_generation(urls: list[str], *, data: str, model: str, steps: int, prompts: int, n: int,
                            max_new_tokens: int, seed: int) -> tuple[list[dict], Any]:
+    """The baseline: per step, rounds of "submit every missing group's responses, wait for all, filter"
+    until `prompts` groups are kept. Returns per-step rows and the CPU monitor of this process."""
     import transformers
 
     from megatron_flash.rollout.engine_client import EngineClient
@@ -99,9 +99,7 @@ async def batch_generation(urls: list[str], *, data: str, model: str, steps: int
     params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": max_new_tokens}
     clients = [EngineClient(u) for u in urls]
     clock = IdleClock(len(clients))
-    cursor = 0
-
-    tokens = [0]
+    cursor, tokens = 0, [0]
 
     async def one(k: int, prompt_ids: list[int], row: dict) -> float:
         clock.start(k)

@@ -354,6 +354,7 @@ class Controller:
             m["tokens_per_s"] = stats.tokens_generated / max(t_step, 1e-9)
             m["rollout_resumes"] = stats.resumes
             m["engine_errors"] = stats.engine_errors
+            m["groups_expired_in_flight"] = stats.groups_expired  # redundant surplus cancelled at a push
         m.update(sync_metrics)
         m.setdefault("train_infer_logprob_diff", None)  # neither a probe nor fresh samples this step
         m.update(train_metrics)

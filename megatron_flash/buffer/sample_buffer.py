@@ -1,8 +1,10 @@
 """The versioned sample buffer between the rollout side (producer) and the trainer (consumer).
 
 The rollout thread `put`s finished, rewarded, filtered groups; the trainer thread blocks in
-`take_batch` until enough *trainable* samples exist for the step at the current version, and until
-no sample that would expire after this step is still in flight (see "Expiry" in staleness.py).
+`take_batch` until enough *trainable* samples exist for the step at the current version, and —
+without redundant prompts — until no sample that would expire after this step is still in flight
+(see "Expiry" in staleness.py). With redundant prompts (`extra` > 0) a full batch goes at once and
+the rollout side cancels what expired (scheduler.py).
 Groups that became too stale are evicted on the way and handed to `on_evict` (the scheduler
 re-queues their prompt when `async_rl.stale_policy=regenerate`). Oldest groups go first, which
 keeps staleness low and makes α = 0 take exactly the groups started at the current version.
@@ -39,6 +41,14 @@ class SampleBuffer:
     def put(self, group: Group) -> None:
         with self._cond:
             self._groups.append(group)
+            self._cond.notify_all()
+
+    def landed(self, version_start: int, num_samples: int) -> None:
+        """A group admitted at `version_start` left flight, whatever became of it (buffered, filtered,
+        failed, cancelled). Under the buffer's lock and with a wake-up: a trainer waiting for
+        expiring in-flight samples re-checks at once (a filtered group never calls `put`)."""
+        with self._cond:
+            self.staleness.on_landed(version_start, num_samples)
             self._cond.notify_all()
 
     def close(self, error: Optional[BaseException] = None) -> None:
@@ -96,7 +106,11 @@ class SampleBuffer:
             while True:
                 self._evict_locked()
                 expiring = self.staleness.version - self.staleness.alpha
-                waiting_for_old = self.staleness.in_flight_through(expiring) > 0
+                # Without redundant prompts the in-flight samples that expire after this step belong
+                # in this batch (at most B of them exist: staleness.py "Expiry"), so wait for them.
+                # With redundant prompts they may be surplus: a full batch of buffered samples goes
+                # now, and the rollout side cancels the expired ones after the push.
+                waiting_for_old = self.staleness.extra == 0 and self.staleness.in_flight_through(expiring) > 0
                 picked = None if waiting_for_old else self._pick(num_samples)
                 if picked is not None:
                     chosen = set(map(id, picked))

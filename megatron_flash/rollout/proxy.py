@@ -289,9 +289,13 @@ class LLMProxy:
                     logger.warning("request %s lost with %s (%s); retrying on another engine", rid,
                                    engine.client.url, e)
                     continue
-                except BaseException:
+                except BaseException as e:
                     engine.rids.discard(rid)
                     self._release(engine, failed=True, slots=slots)
+                    if isinstance(e, asyncio.CancelledError) and not self._closed:
+                        # Our caller gave up (e.g. a group that turned stale): the slot is free for
+                        # the proxy, so the engine must stop generating too.
+                        self._spawn(self._quiet_abort(engine, rid))
                     raise
                 engine.rids.discard(rid)
                 self._release(engine, failed=False, slots=slots, num_completed=num_samples)

@@ -13,6 +13,13 @@ push (their tokens span two versions; the sample's start version stays the older
 
 Prompts whose groups failed on engine errors, or turned stale under `stale_policy=regenerate`, go to
 the front of the prompt queue. Everything here runs in one asyncio loop (one thread).
+
+Redundant prompts (`extra` > 0) let the trainer take a full batch without waiting for slower groups
+(SampleBuffer.take_batch). A group still generating when a push makes it untrainable (start
+< V − α) is then surplus: its task is cancelled the moment the loop sees the new version (the proxy
+aborts its engine requests), and it is counted as stale (or its prompt re-queued under
+`stale_policy=regenerate`) — engine slots and admission capacity free at once instead of finishing
+work that would be evicted on arrival.
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ class RolloutStats:
     reward_failures: int = 0
     groups_finished: int = 0
     groups_filtered: int = 0
+    groups_expired: int = 0
+    """Surplus groups (redundant prompts) cancelled in flight because a push made them stale."""
     group_latency_s: float = 0.0
 
     def take(self) -> "RolloutStats":
@@ -86,6 +95,9 @@ class RolloutScheduler:
         self.on_group: Optional[Callable[[Group], None]] = None  # e.g. a GroupDump, before the buffer
         self.group_runner: Any = None  # agentic: megatron_flash.agentic.env_manager.EnvGroupRunner
         self._inflight: dict[int, Any] = {}  # group id → its prompt, while the group is generating
+        self._group_tasks: dict[int, tuple[int, asyncio.Task]] = {}  # group id → (start version, task)
+        self._expired: set[int] = set()  # groups cancelled because a push made them untrainable
+        self._seen_version = staleness.version
 
     # ------------------------------------------------------------------ called from other threads
     def requeue_prompt(self, group: Group, prompt: Any = None) -> None:
@@ -116,6 +128,9 @@ class RolloutScheduler:
             while not self._stopping:
                 if self._fatal is not None:
                     raise self._fatal
+                if self.staleness.version != self._seen_version:
+                    self._seen_version = self.staleness.version
+                    self._expire_in_flight(self._seen_version)
                 version = self.staleness.try_admit(n)
                 if version is None:
                     self._wake.clear()
@@ -130,6 +145,7 @@ class RolloutScheduler:
                 self._inflight[group_id] = prompt
                 task = asyncio.create_task(self._run_group(prompt, group_id, version))
                 self._tasks.add(task)
+                self._group_tasks[group_id] = (version, task)
                 task.add_done_callback(self._tasks.discard)
         except BaseException as e:  # noqa: BLE001 - reported through the buffer to the trainer
             error = e
@@ -157,7 +173,31 @@ class RolloutScheduler:
             await self._run_group_inner(prompt, group_id, version)
         finally:
             self._inflight.pop(group_id, None)
-            self.staleness.on_landed(version, self.settings.n_samples_per_prompt)
+            self._group_tasks.pop(group_id, None)
+            self._expired.discard(group_id)
+            self.buffer.landed(version, self.settings.n_samples_per_prompt)
+
+    def _expire_in_flight(self, version: int) -> int:
+        """Cancel the groups in flight that no step from `version` on may train (start < version − α).
+        Only redundant prompts leave such groups behind (the trainer waits for them otherwise).
+        Returns the number of groups cancelled."""
+        cutoff = version - self.staleness.alpha
+        doomed = [(gid, task) for gid, (v, task) in self._group_tasks.items()
+                  if v < cutoff and gid not in self._expired and not task.done()]
+        for gid, task in doomed:
+            self._expired.add(gid)
+            task.cancel()
+        if doomed:
+            logger.debug("version %d: cancelled %d surplus groups started before %d", version, len(doomed), cutoff)
+        return len(doomed)
+
+    def _drop_expired(self, prompt: Any, n: int) -> None:
+        if self.buffer.stale_policy == "regenerate":
+            self._requeued.appendleft(prompt)
+            self.staleness.on_drop(n, reason="regenerated")
+        else:
+            self.staleness.on_drop(n, reason="stale")
+        self.stats.groups_expired += 1
 
     # ------------------------------------------------------------------ checkpoint (loop thread)
     def snapshot(self) -> dict[str, Any]:
@@ -186,6 +226,9 @@ class RolloutScheduler:
             else:
                 samples = await self._run_parallel(prompt, group_id, version)
         except asyncio.CancelledError:
+            if group_id in self._expired and not self._stopping:
+                self._drop_expired(prompt, n)
+                return  # we cancelled it ourselves: the task ends normally
             self.staleness.on_drop(n, reason="cancelled")
             raise
         except Exception as e:  # engine failure after the proxy's retries: re-queue the prompt

@@ -9,8 +9,12 @@ def digit_fraction(response_text: str, answer: str, *, finished: bool, prompt: s
 
 
 def flaky_digit_fraction(response_text: str, answer: str, *, finished: bool, prompt: str = "", meta=None) -> float:
-    """digit_fraction, but raises for responses starting with 'z' (a few percent of them): the run
-    must count those samples as failed and go on."""
-    if response_text.startswith("z"):
-        raise ValueError("toy reward refuses responses starting with 'z'")
+    """digit_fraction, but raises for about 1 response in 12 (chosen by a stable hash of the text, so
+    a run of ~100 samples sees at least one with probability > 0.999): the run must count those
+    samples as failed and go on. (Raising for responses starting with 'z' was too rare: a few runs
+    in a hundred saw none.)"""
+    import zlib
+
+    if zlib.crc32(response_text.encode()) % 12 == 0:
+        raise ValueError("toy reward refuses this response (crc32 % 12 == 0)")
     return digit_fraction(response_text, answer, finished=finished)

@@ -246,3 +246,36 @@ def test_engine_error_requeues_the_prompt() -> None:
     indices = sorted(g.prompt_index for g in taken[0])
     assert indices == [0, 1]  # prompt 0 came back after its group failed
     assert h.staleness.counters.dropped_error == 2
+
+
+def test_surplus_groups_in_flight_are_cancelled_at_the_push_and_counted_stale() -> None:
+    """Redundant prompts at α = 0: B = 4 (2 groups of 2) plus 2 surplus groups. Group 3's requests
+    never finish on their own (an hour): the trainer takes the first full batch, pushes, and the
+    scheduler cancels what is still in flight from version 0 — the proxy sees the cancellation,
+    the group counts as stale, and rollout capacity comes back for version 1."""
+    slow = {"g3-s0-r0", "g3-s1-r0"}
+    proxy = FakeProxy(lambda rid: 3600.0 if rid in slow else 0.001)
+    cancelled: list[str] = []
+    generate = proxy.generate
+
+    async def tracking_generate(input_ids, params, *, rid: str, return_logprob: bool = True):
+        try:
+            return await generate(input_ids, params, rid=rid, return_logprob=return_logprob)
+        except asyncio.CancelledError:
+            cancelled.append(rid)
+            raise
+
+    proxy.generate = tracking_generate  # type: ignore[method-assign]
+    h = start(alpha=0, batch=4, n=2, proxy=proxy, extra=2)
+    first = h.buffer.take_batch(4, timeout_s=30, poll_s=0.005)
+    assert all(s.version_start == 0 for g in first for s in g.samples)
+    assert 3 not in {g.group_id for g in first}
+    h.proxy.push(1, abort=False)
+    h.staleness.set_version(1)
+    second = h.buffer.take_batch(4, timeout_s=30, poll_s=0.005)  # needs capacity freed by the cancel
+    assert all(s.version_start == 1 for g in second for s in g.samples)
+    h.scheduler.stop()
+    h.thread.join(30)
+    assert sorted(cancelled) == sorted(slow)
+    assert h.staleness.counters.dropped_stale >= 2  # group 3 (and any other surplus of version 0)
+    assert h.scheduler.stats.groups_expired >= 1

@@ -230,6 +230,11 @@ def test_cancelled_caller_frees_its_slot() -> None:
         await asyncio.gather(hog, waiting, return_exceptions=True)
         m = proxy.metrics()
         assert m.queue_len == 0 and m.engines[0].inflight == 0
+        # The running request is stopped on the engine too (its slot is free for the proxy), not only
+        # its connection closed: SGLang notices a closed connection seconds later.
+        await wait_until(lambda: any(r["path"] == "/abort_request" and r["body"].get("rid") == "hog"
+                                     for r in fakes[0].requests))
+        assert not any(r["path"] == "/abort_request" and r["body"].get("rid") == "w" for r in fakes[0].requests)
         assert (await proxy.generate([1], {}, rid="next")).rid == "next"
 
     run_with_fakes(body, num_engines=1, bound=1, latency_s=latency_from_prompt)

@@ -113,3 +113,50 @@ def test_buffer_timeout_and_close_are_errors_with_the_count() -> None:
     with pytest.raises(BufferClosed) as info:
         buf.take_batch(4, timeout_s=1)
     assert "engines down" in str(info.value.__cause__)
+
+
+def test_a_group_that_lands_without_put_wakes_the_waiting_trainer() -> None:
+    """α = 1, B = 2 (groups of 2): at V = 1 the trainer waits for group 0 (start 0, in flight: it
+    would expire after this step) although group 2 (start 1) is buffered. Group 0 is then filtered —
+    it lands without a `put`. The trainer must re-check at once, not at its next poll (an hour here)."""
+    m = StalenessManager(alpha=1, batch_size=2)
+    buf = SampleBuffer(m)
+    assert m.try_admit(2) == 0 and m.try_admit(2) == 0  # groups 0 and 1, both start 0
+    m.on_landed(0, 2)
+    buf.put(group(1, 0))
+    assert [g.group_id for g in buf.take_batch(2, timeout_s=1)] == [1]  # V = 0: nothing expires yet
+    m.set_version(1)
+    assert m.try_admit(2) == 1
+    m.on_landed(1, 2)
+    buf.put(group(2, 1))
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(buf.take_batch(2, poll_s=3600)), daemon=True)
+    t.start()
+    t.join(0.2)
+    assert t.is_alive()  # waiting for group 0, which is still in flight
+    m.on_drop(2, reason="filtered")
+    buf.landed(0, 2)  # what the scheduler calls for every group that leaves flight
+    t.join(30)
+    assert not t.is_alive() and [g.group_id for g in out[0]] == [2]
+
+
+def test_with_redundant_prompts_a_full_batch_goes_without_waiting_for_slower_groups() -> None:
+    """α = 0, B = 2, extra = 2 samples: groups 0 and 1 admitted at V = 0; group 0 finishes first.
+    Without redundancy the trainer would wait for every expiring in-flight sample; with it, the
+    buffered full batch goes now (group 1 is surplus, cancelled by the scheduler after the push)."""
+    m = StalenessManager(alpha=0, batch_size=2, extra=2)
+    buf = SampleBuffer(m)
+    assert m.try_admit(2) == 0 and m.try_admit(2) == 0 and m.try_admit(2) is None
+    m.on_landed(0, 2)
+    buf.put(group(0, 0))
+    assert m.in_flight_through(0) == 2
+    assert [g.group_id for g in buf.take_batch(2, timeout_s=5)] == [0]
+
+    plain = StalenessManager(alpha=0, batch_size=4)
+    buf2 = SampleBuffer(plain)
+    assert plain.try_admit(2) == 0 and plain.try_admit(2) == 0
+    plain.on_landed(0, 2)
+    buf2.put(group(0, 0))
+    buf2.put(group(5, 0))  # (a stray buffered group: still, group 1 is in flight and expiring)
+    with pytest.raises(TimeoutError):
+        buf2.take_batch(4, timeout_s=0.05, poll_s=0.01)

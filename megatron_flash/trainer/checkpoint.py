@@ -1,23 +1,32 @@
-"""Run checkpoints: trainer state per rank + the rollout state, saved atomically, resumed exactly.
+"""Run checkpoints: Megatron distributed checkpoint + the rollout state, saved atomically, resumed exactly.
 
 Layout under `checkpoint.save_dir`:
 
     step_000012/                       one complete checkpoint (renamed into place when whole)
-        meta.json                      step, policy version, layout — written last
-        trainer/rank_00000.pt          this rank's model shard, optimizer, LR schedule, RNG states
-        trainer/dist_opt_00000.pt      distributed optimizer: this rank's parameter state (if used)
+        meta.json                      step, policy version, the layout it was saved with — written last
+        trainer/                       Megatron-Core dist_checkpointing (torch_dist): model weights and
+                                       optimizer state as sharded tensors in the canonical (unsharded)
+                                       space, so any TP × PP × DP layout can load them
+        rank_state/rank_00000.pt       per rank: LR schedule, RNG states (python, torch, CUDA, tracker)
         rollout.pkl                    rank 0: dataset position, prompts in flight / re-queued,
                                        buffered groups with their versions, staleness counters
     latest                             "step_000012" (atomically replaced after the rename)
 
-A checkpoint is resumed with the same TP × PP × DP layout (the per-rank files are that layout's
-shards). Only `keep_last` complete checkpoints are kept. Never load one from an untrusted source:
-the files are pickles.
+Resuming with the same layout is exact, RNG included (tests/e2e/test_resume.py). Resuming with another
+layout (more GPUs, a different TP/PP split) loads the same weights and optimizer moments — the next
+step equals the uninterrupted run's up to float reduction order (tests/distributed/test_checkpoint_layouts.py)
+— and keeps the RNG of the new run's initialisation (the saved per-rank states belong to other
+ranks). The distributed optimizer is saved "fully_reshardable". Checkpoints of the earlier per-rank
+format (trainer/rank_*.pt with the model inside) still load with their own layout.
+
+Only `keep_last` complete checkpoints are kept. Never load one from an untrusted source: the files
+are pickles.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import random
@@ -26,6 +35,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 LATEST = "latest"
 
@@ -69,6 +80,91 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def save_dist_checkpoint(sharded_state_dict: dict, path: str) -> None:
+    """`dist_checkpointing.save` in torch_dist format, without its CUDA-only staging step.
+
+    Megatron's synchronous save stages tensors to host memory and then calls
+    `torch.cuda.synchronize()`, which raises on a CPU-only torch; we ask for the async request
+    instead and run it ourselves, without that staging when there is no GPU (a no-op for host
+    tensors anyway). Needs psutil (Megatron's writer processes die without it)."""
+    from megatron.core import dist_checkpointing
+
+    request = dist_checkpointing.save(sharded_state_dict, path, async_sharded_save=True)
+    if not torch.cuda.is_available():
+        request = request._replace(preload_fn=None)
+    request.execute_sync()
+
+
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _init_empty_adam_state(policy: Any) -> None:
+    """Before loading into a fresh optimizer: give torch Adam its state tensors (step 0, zero moments).
+    Megatron's distributed optimizer reads the current state to build the sharded state dict it
+    loads into, and torch Adam creates it only at the first step (Megatron relies on TE/Apex Adam,
+    which keep `step` in param_groups, for this; they are absent on CPU)."""
+    for _, inner in _adam_optimizers(policy):
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p.data),
+                                      "exp_avg_sq": torch.zeros_like(p.data)}
+
+
+def _adam_optimizers(policy: Any) -> list[Any]:
+    out = []
+    for opt in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            out.append((opt, inner))
+    return out
+
+
+def _skip_step_on_reshardable_load(policy: Any) -> None:
+    """Work around megatron-core 0.16 with torch Adam (no TE/Apex: CPU, or GPUs without TE): the
+    distributed optimizer's fully-reshardable load leaves each parameter's `step` out of the tensors
+    it read (it restores `step` separately) but then copies *every* key of the live state — `step`
+    included — from them (KeyError 'step'). Per parameter, hide `step` during that copy."""
+    for opt, inner in _adam_optimizers(policy):
+        if type(opt).__name__ != "DistributedOptimizer" or getattr(opt, "_mf_step_patch", False):
+            continue
+        original = opt._set_main_param_and_optimizer_states
+
+        def copy_without_step(model_param: Any, tensors: dict, _opt: Any = opt, _inner: Any = inner,
+                              _original: Any = original) -> None:
+            group_index, group_order = _opt.model_param_group_index_map[model_param]
+            state = _inner.state[_inner.param_groups[group_index]["params"][group_order]]
+            step = state.pop("step", None) if "step" not in tensors else None
+            try:
+                _original(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        opt._set_main_param_and_optimizer_states = copy_without_step
+        opt._mf_step_patch = True
+
+
+def _unshare_adam_steps(policy: Any) -> None:
+    """megatron-core 0.16's distributed optimizer, without TE/Apex, restores torch Adam's `step` as ONE
+    tensor shared by every parameter's state; torch Adam increments it in place per parameter, so the
+    next step's bias correction would count every parameter (measured: weights off by 1e-3 after one
+    step). Give each parameter its own copy."""
+    for _, inner in _adam_optimizers(policy):
+        for state in inner.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
+def _sharded_state(policy: Any, *, is_loading: bool) -> dict[str, Any]:
+    model = getattr(policy.model, "module", policy.model)  # under Megatron's DDP wrapper
+    if is_loading:
+        _init_empty_adam_state(policy)
+    state = {"model": model.sharded_state_dict()}
+    state["optimizer"] = policy.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_OPTIM_METADATA)
+    return state
+
+
 def save(policy: Any, save_dir: str, *, step: int, version: int, rollout_state: Optional[dict[str, Any]],
          keep_last: int = 2, group: Any = None) -> str:
     """Collective over every trainer rank. Returns the checkpoint directory."""
@@ -77,20 +173,19 @@ def save(policy: Any, save_dir: str, *, step: int, version: int, rollout_state: 
     tmp = final + ".tmp"
     if layout.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "trainer"), exist_ok=True)
+        os.makedirs(os.path.join(tmp, "trainer"))  # empty: Megatron warns about a non-empty target
+        os.makedirs(os.path.join(tmp, "rank_state"))
     dist.barrier(group=group)
-    state = {"model": policy.model.state_dict(), "optimizer": policy.optimizer.state_dict(),
-             "scheduler": policy.scheduler.state_dict(), "rng": _rng_state(), "step": step, "version": version}
-    torch.save(state, os.path.join(tmp, "trainer", f"rank_{layout.rank:05d}.pt"))
-    if getattr(policy.settings.optimizer, "use_distributed_optimizer", False):
-        policy.optimizer.save_parameter_state(os.path.join(tmp, "trainer", f"dist_opt_{layout.rank:05d}.pt"))
+    save_dist_checkpoint(_sharded_state(policy, is_loading=False), os.path.join(tmp, "trainer"))
+    rank_state = {"scheduler": policy.scheduler.state_dict(), "rng": _rng_state(), "step": step, "version": version}
+    torch.save(rank_state, os.path.join(tmp, "rank_state", f"rank_{layout.rank:05d}.pt"))
     if layout.rank == 0 and rollout_state is not None:
         with open(os.path.join(tmp, "rollout.pkl"), "wb") as f:
             pickle.dump(rollout_state, f)
     dist.barrier(group=group)
     if layout.rank == 0:
-        meta = {"step": step, "version": version, "world_size": layout.world_size, "tp": layout.tp_size,
-                "pp": layout.pp_size, "dp": layout.dp_size}
+        meta = {"step": step, "version": version, "format": "megatron-dist", "world_size": layout.world_size,
+                "tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f)
         shutil.rmtree(final, ignore_errors=True)
@@ -119,9 +214,30 @@ def load(policy: Any, path: str) -> tuple[dict[str, Any], Optional[dict[str, Any
         meta = json.load(f)
     want = {"world_size": layout.world_size, "tp": layout.tp_size, "pp": layout.pp_size}
     have = {k: meta[k] for k in want}
-    if have != want:
-        raise ValueError(f"checkpoint {path} was saved with layout {have}; this run has {want} "
-                         "(resume with the same parallel layout)")
+    if meta.get("format") == "megatron-dist":
+        from megatron.core import dist_checkpointing
+
+        sharded = _sharded_state(policy, is_loading=True)
+        _skip_step_on_reshardable_load(policy)
+        loaded = dist_checkpointing.load(sharded, os.path.join(path, "trainer"))
+        getattr(policy.model, "module", policy.model).load_state_dict(loaded["model"])
+        policy.optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_adam_steps(policy)
+        same = have == want
+        # Same layout: this rank's own RNG and schedule. Another layout: rank 0's schedule (every
+        # rank steps it alike); the RNG stays as the new run seeded it.
+        state = torch.load(os.path.join(path, "rank_state", f"rank_{layout.rank if same else 0:05d}.pt"),
+                           weights_only=False)
+        policy.scheduler.load_state_dict(state["scheduler"])
+        if same:
+            _set_rng_state(state["rng"])
+        elif layout.rank == 0:
+            logger.warning("checkpoint %s was saved with layout %s; resuming with %s: weights, optimizer and "
+                           "LR schedule restored, RNG states re-seeded", path, have, want)
+        return meta, _load_rollout(path, layout.rank)
+    if have != want:  # the earlier per-rank format holds this layout's shards only
+        raise ValueError(f"checkpoint {path} (per-rank format) was saved with layout {have}; this run has "
+                         f"{want} (resume it with the same parallel layout)")
     state = torch.load(os.path.join(path, "trainer", f"rank_{layout.rank:05d}.pt"), weights_only=False)
     policy.model.load_state_dict(state["model"])
     policy.optimizer.load_state_dict(state["optimizer"])
@@ -129,8 +245,11 @@ def load(policy: Any, path: str) -> tuple[dict[str, Any], Optional[dict[str, Any
         policy.optimizer.load_parameter_state(os.path.join(path, "trainer", f"dist_opt_{layout.rank:05d}.pt"))
     policy.scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"])
-    rollout = None
-    if layout.rank == 0 and os.path.isfile(os.path.join(path, "rollout.pkl")):
-        with open(os.path.join(path, "rollout.pkl"), "rb") as f:
-            rollout = pickle.load(f)
-    return meta, rollout
+    return meta, _load_rollout(path, layout.rank)
+
+
+def _load_rollout(path: str, rank: int) -> Optional[dict[str, Any]]:
+    if rank != 0 or not os.path.isfile(os.path.join(path, "rollout.pkl")):
+        return None
+    with open(os.path.join(path, "rollout.pkl"), "rb") as f:
+        return pickle.load(f)

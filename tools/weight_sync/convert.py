@@ -92,18 +92,10 @@ def build_stage(hf_dir: str, *, tp: int, pp: int, dtype: str, divisible_by: int)
 
 
 def save_dist_checkpoint(sharded_state_dict: dict, path: str) -> None:
-    """`dist_checkpointing.save` in torch_dist format, without its CUDA-only staging step.
+    """Megatron torch_dist save that also works on a CPU-only torch (megatron_flash.trainer.checkpoint)."""
+    from megatron_flash.trainer.checkpoint import save_dist_checkpoint as save
 
-    Megatron's synchronous save stages tensors to host memory and then calls
-    `torch.cuda.synchronize()`, which raises on a CPU-only torch; we ask for the async request
-    instead and run it ourselves without that staging (a no-op for host tensors anyway)."""
-    import torch
-    from megatron.core import dist_checkpointing
-
-    request = dist_checkpointing.save(sharded_state_dict, path, async_sharded_save=True)
-    if not torch.cuda.is_available():
-        request = request._replace(preload_fn=None)
-    request.execute_sync()
+    save(sharded_state_dict, path)
 
 
 def _replace_dir(partial: str, out: str) -> None:

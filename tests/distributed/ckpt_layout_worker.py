@@ -1,0 +1,75 @@
+"""Run under torchrun (or plain python for 1×1) by test_checkpoint_layouts.py.
+
+--mode save:   one Adam step on batch A, a run checkpoint (megatron_flash.trainer.checkpoint.save), then a
+               second step on batch B; writes metrics.json (both losses) and export_after/ (HF weights
+               after step 2) into --out: the uninterrupted run.
+--mode resume: a fresh policy in this process's layout loads that checkpoint and takes the step on
+               batch B; writes the same files. The test compares the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_flash.config.schema import OptimizerConfig  # noqa: E402
+from megatron_flash.trainer import checkpoint as ckpt  # noqa: E402
+from megatron_flash.trainer.distributed import destroy_distributed  # noqa: E402
+from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings  # noqa: E402
+from tests.distributed.layout_worker import weighted_nll  # noqa: E402
+
+
+def batch(vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (8, 16), generator=gen)
+    mask = torch.zeros(8, 16)
+    for i in range(8):
+        mask[i, 4: 6 + i] = 1.0
+    return {"tokens": tokens, "loss_mask": mask, "weights": torch.randn(8, 16, generator=gen)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--ckpt-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--mode", choices=["save", "resume"], required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--distributed-optimizer", action="store_true")
+    args = p.parse_args()
+    policy = MegatronPolicy(PolicySettings(
+        hf_path=args.hf_dir, tp_size=args.tp, pp_size=args.pp, micro_batch_size=2, total_steps=10,
+        optimizer=OptimizerConfig(name="adam", lr=1e-2, clip_grad=1e6, lr_warmup_steps=3,
+                                  use_distributed_optimizer=args.distributed_optimizer),
+    ))
+    vocab = policy.spec.vocab_size
+    out: dict[str, float] = {}
+    if args.mode == "save":
+        out["loss_a"] = policy.train_step(batch(vocab, 1), weighted_nll)["loss"]
+        ckpt.save(policy, args.ckpt_dir, step=0, version=1, rollout_state={"probe": 1})
+        policy.export_hf(os.path.join(args.out, "export_before"))
+    else:
+        meta, rollout = ckpt.load(policy, ckpt.latest_checkpoint(args.ckpt_dir))
+        out["saved_tp"], out["saved_pp"] = meta["tp"], meta["pp"]
+        out["rollout_probe"] = (rollout or {}).get("probe", -1) if dist.get_rank() == 0 else -1
+    out["lr"] = policy.scheduler.get_lr(policy.optimizer.param_groups[0])
+    out["loss_b"] = policy.train_step(batch(vocab, 2), weighted_nll)["loss"]
+    policy.export_hf(os.path.join(args.out, "export_after"))
+    if dist.get_rank() == 0:
+        with open(os.path.join(args.out, "metrics.json"), "w") as f:
+            json.dump(out, f)
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -23,7 +23,8 @@ as a GPU's does up to large batches, so a slot held by a finished response waste
 wastes on a GPU (docs/benchmarks.md has --max-inflight 16 too, where per-request overhead wins).
 
 The last line is a JSON object: seconds per step and engine idle fraction per mode, `speedup` =
-s/step(off) / s/step(on) (paper: 1.84–1.95×).
+s/step(off) / s/step(on) (paper: 1.84–1.95×). `--chunk K` adds a third mode, replication in requests
+of K samples (`rollout.replication_chunk`), and `speedup_chunked` = s/step(off) / s/step(chunked).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def main() -> int:
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--max-len", type=int, default=32)
     p.add_argument("--num-blocks", type=int, default=512, help="engine KV blocks of 16 tokens")
+    p.add_argument("--chunk", type=int, default=0,
+                   help="also run mode 'chunked': replication with rollout.replication_chunk=K samples per request")
     p.add_argument("--model-path", default="")
     p.add_argument("--out", default="runs/bench_prompt_replication")
     args = p.parse_args()
@@ -68,14 +71,17 @@ def main() -> int:
               f"engines.max_inflight_per_engine={args.max_inflight}",
               f"engines.server_args.num_blocks={args.num_blocks}", "engines.server_args.max_batch_tokens=512"]
     keys = ("time_step", "engine_idle_frac", "tokens_per_s", "response_len_mean")
-    results: dict[str, list[dict]] = {"on": [], "off": []}
+    modes = ["off", "on"] + (["chunked"] if args.chunk > 1 else [])
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    mode_overrides = {"off": ["rollout.prompt_replication=false"], "on": ["rollout.prompt_replication=true"],
+                      "chunked": ["rollout.prompt_replication=true", f"rollout.replication_chunk={args.chunk}"]}
     t0, load_before = time.time(), benchlib.uptime_load()
     for r in range(args.rounds):
-        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
             rows, mon = benchlib.run_pipeline(
                 model=model, run_dir=os.path.join(benchlib.REPO, args.out, f"{mode}_r{r}"), name=name,
                 num_engines=args.engines, monitor=True,
-                overrides=[*common, f"rollout.prompt_replication={'true' if mode == 'on' else 'false'}"])
+                overrides=[*common, *mode_overrides[mode]])
             s = benchlib.steady(rows, skip=args.skip, keys=keys)
             s.update(mon.cores(skip=args.skip) if mon is not None else {})
             if "cores_engines" in s:  # engine CPU per generated token: how hard the engines worked, load aside
@@ -91,7 +97,7 @@ def main() -> int:
     result: dict = {"engines": args.engines, "max_inflight_per_engine": args.max_inflight, "prompts": args.prompts,
                     "n": args.n, "alpha": args.alpha, "steps": args.steps, "skip": args.skip, "rounds": args.rounds,
                     "model": os.path.relpath(model, benchlib.REPO)}
-    for mode in ("on", "off"):
+    for mode in modes:
         result[mode] = {k: mean(mode, k) for k in (*keys, "cores_trainer", "cores_engines", "cores_others",
                                                    "engine_cpu_ms_per_token")}
         result[mode]["samples_per_s"] = round(batch / result[mode]["time_step"], 2)
@@ -102,6 +108,9 @@ def main() -> int:
     result["speedup_per_round"] = [round(v, 3) for v in per_round]
     result["speedup_median"] = round(statistics.median(per_round), 3)
     result["speedup"] = round(result["off"]["time_step"] / result["on"]["time_step"], 3)
+    if "chunked" in results:
+        result["chunk"] = args.chunk
+        result["speedup_chunked"] = round(result["off"]["time_step"] / result["chunked"]["time_step"], 3)
     result["load_avg_1m_before"] = load_before
     result["seconds"] = round(time.time() - t0, 1)
     print(json.dumps(result))

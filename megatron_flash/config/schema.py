@@ -252,6 +252,10 @@ class RolloutConfig(_Section):
     prompt_replication: bool = True
     """Send each of a prompt's n responses as its own request (spread over engines) instead of one
     request with n samples."""
+    replication_chunk: int = 1
+    """With prompt_replication: samples per request (SGLang `n`), so a group becomes
+    ceil(n / replication_chunk) requests spread over engines. 1 = one request per sample; e.g.
+    n / number of engines spreads a group as well with fewer requests and shared prefill."""
     extra_prompts: int = 0
     """Redundant prompts kept in flight beyond what the batch needs (surplus carried over)."""
     dynamic_filter: str = "none"
@@ -277,6 +281,9 @@ class RolloutConfig(_Section):
         self._require(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (disabled) or >= 1")
         self._at_least("max_new_tokens", 1)
         self._at_least("extra_prompts", 0)
+        self._at_least("replication_chunk", 1)
+        self._require(self.replication_chunk <= self.n_samples_per_prompt, "replication_chunk",
+                      f"must be <= n_samples_per_prompt ({self.n_samples_per_prompt})")
         if ":" not in self.dynamic_filter:  # "module:function" names a user filter, imported at start
             self._one_of("dynamic_filter", DYNAMIC_FILTERS)
         self._one_of("pause_mode", PAUSE_MODES)

@@ -161,6 +161,7 @@ class RolloutRuntime:
                 settings = SchedulerSettings(
                     n_samples_per_prompt=cfg.rollout.n_samples_per_prompt, sampling_params=sampling_params(cfg.rollout),
                     max_new_tokens=cfg.rollout.max_new_tokens, prompt_replication=cfg.rollout.prompt_replication,
+                    replication_chunk=cfg.rollout.replication_chunk,
                     max_resumes=cfg.rollout.max_resumes, engine_down_deadline_s=cfg.async_rl.batch_timeout_s)
                 self.scheduler = RolloutScheduler(
                     dataset=self.dataset, proxy=proxy, reward_pool=reward_pool, group_filter=group_filter,

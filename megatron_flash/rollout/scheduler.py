@@ -48,6 +48,8 @@ class SchedulerSettings:
     sampling_params: dict[str, Any]
     max_new_tokens: int
     prompt_replication: bool = True
+    replication_chunk: int = 1
+    """With replication: samples per request (1 = one request per sample)."""
     max_resumes: int = 16
     engine_down_deadline_s: float = 120.0
     """Stop the run when no request has succeeded for this long while requests keep failing."""
@@ -221,8 +223,13 @@ class RolloutScheduler:
             if self.group_runner is not None:  # multi-turn episodes; rewards come from the env
                 samples = await self.group_runner.run_group(group_id=group_id, prompt=prompt, version=version,
                                                             group_size=n)
-            elif self.settings.prompt_replication or n == 1:
+            elif n == 1 or (self.settings.prompt_replication and self.settings.replication_chunk <= 1):
                 samples = await asyncio.gather(*[self._run_sample(prompt, group_id, i, version) for i in range(n)])
+            elif self.settings.prompt_replication:  # chunks of `replication_chunk` samples, spread
+                k = self.settings.replication_chunk
+                parts = await asyncio.gather(*[self._run_parallel(prompt, group_id, version, first=i, count=min(k, n - i))
+                                               for i in range(0, n, k)])
+                samples = [s for part in parts for s in part]
             else:
                 samples = await self._run_parallel(prompt, group_id, version)
         except asyncio.CancelledError:
@@ -309,12 +316,15 @@ class RolloutScheduler:
                 return None
             resumes += 1
 
-    async def _run_parallel(self, prompt: Any, group_id: int, version: int) -> list[Optional[Sample]]:
-        """Replication off: one request asks for n samples (one engine serves the whole group)."""
-        n = self.settings.n_samples_per_prompt
+    async def _run_parallel(self, prompt: Any, group_id: int, version: int, *, first: int = 0,
+                            count: Optional[int] = None) -> list[Optional[Sample]]:
+        """One request asks for `count` samples (default: the whole group, i.e. replication off; a
+        chunk with replication_chunk > 1), served by one engine. Samples are numbered from `first`."""
+        n = self.settings.n_samples_per_prompt if count is None else count
         seg_version = self.staleness.version
+        rid = f"g{group_id}" if count is None else f"g{group_id}-c{first}"
         results = await self.proxy.generate_n(list(prompt.prompt_ids), self._params(self.settings.max_new_tokens),
-                                              n, rid=f"g{group_id}")
+                                              n, rid=rid)
         self.stats.requests += 1
         self.stats.tokens_generated += sum(len(r.output_ids) for r in results)
 
@@ -325,7 +335,7 @@ class RolloutScheduler:
             if self._stopping:
                 return None
             # A push with pause mode abort: this sample goes on alone from its prefix.
-            out = await self._generate_from(prompt, f"g{group_id}-s{i}", ids, lps, vs, resumes=1)
+            out = await self._generate_from(prompt, f"g{group_id}-s{first + i}", ids, lps, vs, resumes=1)
             return None if out is None else await self._finish(prompt, group_id, version, *out)
 
         return list(await asyncio.gather(*[one(i, r) for i, r in enumerate(results)]))

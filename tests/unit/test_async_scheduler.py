@@ -63,6 +63,7 @@ class FakeProxy:
         self.version = 0
         self.inflight: dict[str, asyncio.Event] = {}
         self.requests: list[tuple[str, list[int]]] = []
+        self.parallel: list[tuple[str, int]] = []  # generate_n calls: (rid, n)
         self.loop: Optional[asyncio.AbstractEventLoop] = None
 
     async def generate(self, input_ids, params, *, rid: str, return_logprob: bool = True) -> GenerateResult:
@@ -90,6 +91,12 @@ class FakeProxy:
         return GenerateResult(rid=rid, output_ids=ids, output_logprobs=[-0.5] * len(ids),
                               finish_reason="abort" if aborted else ("length" if len(ids) == want else "stop"),
                               weight_version=str(version))
+
+    async def generate_n(self, input_ids, params, n: int, *, rid: str, return_logprob: bool = True):
+        """SGLang `n`: here n sequential samples numbered from the chunk's first index ("g3-c4" → 4)."""
+        self.parallel.append((rid, n))
+        group, _, first = rid.partition("-c")
+        return [await self.generate(input_ids, params, rid=f"{group}-s{int(first or 0) + i}-r0") for i in range(n)]
 
     async def abort_all(self) -> None:
         for ev in list(self.inflight.values()):
@@ -120,7 +127,7 @@ class Harness:
 
 def start(*, alpha: int, batch: int, n: int, proxy: FakeProxy, extra: int = 0, stale_policy: str = "drop",
           replication: bool = True, group_filter=lambda r: True, rewards: Optional[Rewards] = None,
-          max_new_tokens: int = 6) -> Harness:
+          max_new_tokens: int = 6, chunk: int = 1) -> Harness:
     m = StalenessManager(alpha=alpha, batch_size=batch, extra=extra * n)
     holder: dict[str, RolloutScheduler] = {}
     buf = SampleBuffer(m, stale_policy=stale_policy,
@@ -128,7 +135,8 @@ def start(*, alpha: int, batch: int, n: int, proxy: FakeProxy, extra: int = 0, s
     s = RolloutScheduler(dataset=Dataset(), proxy=proxy, reward_pool=rewards or Rewards(), group_filter=group_filter,
                          buffer=buf, staleness=m,
                          settings=SchedulerSettings(n_samples_per_prompt=n, sampling_params={"temperature": 1.0},
-                                                    max_new_tokens=max_new_tokens, prompt_replication=replication),
+                                                    max_new_tokens=max_new_tokens, prompt_replication=replication,
+                                                    replication_chunk=chunk),
                          decode=lambda ids: "".join(chr(97 + i % 26) for i in ids), poll_s=0.001)
     holder["s"] = s
     t = threading.Thread(target=lambda: asyncio.run(s.run()), daemon=True)
@@ -279,3 +287,23 @@ def test_surplus_groups_in_flight_are_cancelled_at_the_push_and_counted_stale() 
     assert sorted(cancelled) == sorted(slow)
     assert h.staleness.counters.dropped_stale >= 2  # group 3 (and any other surplus of version 0)
     assert h.scheduler.stats.groups_expired >= 1
+
+
+@pytest.mark.parametrize("replication, chunk, expected", [(True, 3, [("0", 3), ("3", 3), ("6", 2)]),
+                                                          (False, 1, [("", 8)])])
+def test_replication_in_chunks_numbers_every_sample_once(replication, chunk, expected) -> None:
+    """n = 8 with replication_chunk 3: three requests of 3, 3 and 2 samples (spread over engines);
+    replication off: one request of 8. Either way a group holds samples 0..7 exactly once, each the
+    deterministic generation of its own index (under the weights it was generated with)."""
+    h = start(alpha=1, batch=16, n=8, proxy=FakeProxy(lambda rid: 0.001), replication=replication, chunk=chunk)
+    taken = train(h, 3, batch=16, alpha=1)
+    ds = Dataset()
+    prompts = {p.index: p for p in (ds.next_prompt() for _ in range(64))}
+    for g in (g for gs in taken for g in gs):
+        calls = sorted((rid.partition("-c")[2], k) for rid, k in h.proxy.parallel
+                       if rid.partition("-c")[0] == f"g{g.group_id}")
+        assert calls == sorted(expected)
+        p = prompts[g.prompt_index]
+        indices = [[i for i in range(8) if tokens_for(p.prompt_ids, s.version_end, i, 6) == s.response_ids]
+                   for s in g.samples]
+        assert sorted(i for found in indices for i in found) == list(range(8))

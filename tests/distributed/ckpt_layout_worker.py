@@ -57,6 +57,10 @@ def main() -> None:
     if args.mode == "save":
         out["loss_a"] = policy.train_step(batch(vocab, 1), weighted_nll)["loss"]
         ckpt.save(policy, args.ckpt_dir, step=0, version=1, rollout_state={"probe": 1})
+        import psutil
+
+        # Processes the save left behind (would be orphaned by a kill -9 of this rank).
+        out["children_after_save"] = len(psutil.Process().children(recursive=True))
         policy.export_hf(os.path.join(args.out, "export_before"))
     else:
         meta, rollout = ckpt.load(policy, ckpt.latest_checkpoint(args.ckpt_dir))

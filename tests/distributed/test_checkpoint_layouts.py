@@ -49,6 +49,7 @@ def test_resume_under_another_layout_continues_the_same_run(tiny_models, saved, 
               "--ckpt-dir", os.path.join(root, "ckpt"), "--out", out, *extra], nproc=2, timeout=600)
     with open(os.path.join(root, "out", "metrics.json")) as f:
         ref = json.load(f)
+    assert ref["children_after_save"] == 0  # no writer/queue process outlives the save
     with open(os.path.join(out, "metrics.json")) as f:
         got = json.load(f)
     assert (got["saved_tp"], got["saved_pp"]) == (1, 1) and got["rollout_probe"] == 1

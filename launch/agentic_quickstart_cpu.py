@@ -20,9 +20,11 @@ Stages (each prints progress; the last line is one JSON summary):
                                   the exact success rate of a uniformly random walk on the same maps.
 
 Any `key=value` after the options overrides the config for both the warm-up layout and the RL run.
-Measured (docs/agentic.md, "Training on CPU"): the run is stable (valid replies throughout, staleness
-<= 2) but on fresh random maps the success rate stays at the random-walk level within 60 steps: this
-2-layer model does not pick up map-conditioned moves from the episode reward in minutes.
+Measured (docs/agentic.md, "Training on CPU"): on the config's fixed set of 8 maps the success rate
+goes from the random-walk level (0.13-0.19 in the first steps; random walk 0.153) to 0.44 (last 5
+steps) in 150 steps, ~5 min on 2 cores; on fresh random maps (`agentic.num_seeds=0`) this 2-layer
+model stays at the random-walk level: it does not generalise map-conditioned moves from the episode
+reward in minutes.
 """
 
 from __future__ import annotations

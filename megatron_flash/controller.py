@@ -308,6 +308,14 @@ class Controller:
         out: dict[str, float] = {}
         t0 = time.monotonic()
         if self.bridge is not None:
+            restarted: Any = ([], [])
+            if self.rank == 0 and self.runtime is not None:
+                restarted = self.runtime.take_restarted()
+            rejoin, restart_s = self._broadcast(restarted)
+            if rejoin:  # restarted engines hold the checkpoint's weights: this sync sends them everything
+                self.bridge.readmit(rejoin)
+                out["engines_restarted"] = len(rejoin)
+                out["engine_restart_s"] = max(restart_s) if restart_s else float("nan")
             report = self.bridge.sync(self.version + 1)
             out["sync_gb"] = report.bytes_sent / 1e9
             out["engines_out_of_service"] = len(self.bridge.failed)

@@ -340,9 +340,13 @@ class EngineConfig(_Section):
     """Extra SGLang flags, passed verbatim as --key value (e.g. {mem-fraction-static: 0.8})."""
     api_key: Optional[str] = None
     """Bearer token for the engines' HTTP API; null = none. Redacted when a config is printed."""
+    max_restarts: int = 3
+    """Launched engines (cpu|sglang) that exit are started again up to this many times each, then
+    synced to the trainer's weights at the next push before they serve; 0 = never (attach: never)."""
 
     def validate(self) -> None:
         self._one_of("backend", ENGINE_BACKENDS)
+        self._at_least("max_restarts", 0)
         self._at_least("num_engines", 1)
         self._at_least("tp_size", 1)
         self._at_least("max_inflight_per_engine", 1)

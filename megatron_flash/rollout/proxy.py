@@ -543,6 +543,15 @@ class LLMProxy:
             if engine is not None:
                 self._mark_unhealthy(engine, RuntimeError(f"taken out of service by weight sync: {why}"))
 
+    def take_out(self, url: str, why: str) -> None:
+        """Stop routing to the engine at `url` (e.g. its process exited); the health loop re-admits it
+        once it answers at the fleet's weight version."""
+        by_url = {e.client.url: e for e in self._engines}
+        engine = by_url.get(url.rstrip("/"))
+        if engine is None:
+            raise ValueError(f"take_out: {url!r} is not one of this proxy's engines {sorted(by_url)}")
+        self._mark_unhealthy(engine, RuntimeError(why))
+
     def _note_version(self, weight_version: Optional[str]) -> None:
         if weight_version is not None:
             self._fleet_weight_version = weight_version

@@ -123,7 +123,24 @@ class RolloutRuntime:
         self.launcher = EngineLauncher.from_config(self.cfg.engines, model_path=self.model_path, run_dir=self.run_dir,
                                                    first_gpu=first_gpu)
         self.urls = self.launcher.start()
+        if self.cfg.engines.backend != "attach" and self.cfg.engines.max_restarts > 0:
+            self.launcher.supervise(max_restarts=self.cfg.engines.max_restarts, on_down=self.engine_down)
         return self.urls
+
+    def engine_down(self, url: str, reason: str) -> None:
+        """From the launcher's supervisor thread: stop routing to `url` now (its requests are retried
+        elsewhere); it comes back only at the fleet's weight version (after the next push)."""
+        loop, proxy = self._loop, self._proxy
+        if loop is not None and proxy is not None and loop.is_running():
+            loop.call_soon_threadsafe(proxy.take_out, url, reason)
+
+    def take_restarted(self) -> tuple[list[str], list[float]]:
+        """Engines restarted since the last call (URLs) and their restart seconds."""
+        if self.launcher is None:
+            return [], []
+        urls = self.launcher.take_restarted()
+        seconds = [r["restart_s"] for r in self.launcher.restarts if r["ok"] and r["url"] in urls]
+        return urls, seconds[-len(urls):] if urls else []
 
     def start_rollout(self, restore: Optional[dict[str, Any]] = None) -> None:
         """Start the rollout thread (after the engines hold the right weights); `restore` is a
@@ -229,7 +246,10 @@ class RolloutRuntime:
             self._proxy.reset_metrics()
             idle = [e.idle_fraction for e in m.engines if e.healthy]
             out = {"engine_idle_frac": sum(idle) / len(idle) if idle else 1.0,
-                   "engines_healthy": float(sum(e.healthy for e in m.engines)), "proxy_retried": float(m.retried)}
+                   "engines_healthy": float(sum(e.healthy for e in m.engines)), "proxy_retried": float(m.retried),
+                   "engine_restarts": float(len(self.launcher.restarts) if self.launcher is not None else 0)}
+            for i, e in enumerate(m.engines):  # requests each engine completed this window
+                out[f"engine{i}_requests"] = float(e.completed)
             if self.group_runner is not None:
                 out.update(self.group_runner.stats.take().as_metrics())
             return stats, out

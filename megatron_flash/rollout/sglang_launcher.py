@@ -21,14 +21,25 @@ that exits first, or the deadline, raises ``EngineStartupError`` with the log's 
 stopping every server this launcher started. Servers run in their own process groups and are
 stopped group-wide (SIGTERM, then SIGKILL after ``stop_grace_s``) by ``stop()``, at interpreter
 exit (atexit), and on SIGTERM/SIGHUP to this process (handlers installed once, from the main thread,
-chaining to the previous handler). A SIGKILL to this process cannot be caught: its servers then
-outlive it (their logs name their pids).
+chaining to the previous handler). Each server also gets SIGTERM from the kernel when this process
+dies (parent-death signal), so a ``kill -9`` of the trainer leaves no engine behind. The pid of
+engine i is in ``<run_dir>/engines/engine_<i>.pid``.
+
+Restarts (issue 8): ``supervise(max_restarts=k)`` starts a thread that polls the servers; one that
+exits is reported through ``on_down(url, reason)`` (the rollout side takes it out of routing at
+once), started again with the same command, and once its /health answers it is listed by
+``take_restarted()`` — it then holds the checkpoint's weights, not the trainer's, so the caller
+syncs it before routing to it (the proxy re-admits an engine only at the fleet's weight version).
+``restarts`` records each one: exit code and seconds from noticing the exit (within ``interval_s``)
+to a healthy server. After k restarts of
+one engine it stays down.
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import shlex
 import signal
@@ -40,7 +51,7 @@ import urllib.error
 import urllib.request
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 BACKENDS = ("cpu", "sglang", "attach")
 
@@ -184,6 +195,13 @@ class EngineLauncher:
         self.poll_interval_s = poll_interval_s
         self._procs: List[Optional[subprocess.Popen]] = []
         self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._supervisor: Optional[threading.Thread] = None
+        self._restarted: List[str] = []
+        self.gave_up: List[int] = []
+        """Indexes of engines that exited after max_restarts restarts (they stay down)."""
+        self.restarts: List[Dict[str, Any]] = []
+        """One entry per restart: index, url, exit_code, restart_s (noticed → healthy), ok."""
 
     @classmethod
     def from_config(cls, config: Any, *, model_path: str, run_dir: str, **kwargs: Any) -> "EngineLauncher":
@@ -232,6 +250,7 @@ class EngineLauncher:
         if self.backend != "attach":
             if self._procs:
                 raise RuntimeError("this launcher's engines are already started; stop() them first")
+            self._stopping.clear()
             _register(self)
             os.makedirs(os.path.join(self.run_dir, "engines"), exist_ok=True)
             try:
@@ -255,9 +274,83 @@ class EngineLauncher:
             # Own session = own process group: stop() signals the server and everything it forked.
             # Parent-death signal: if this process dies without stopping them (kill -9, OOM), the
             # servers get SIGTERM from the kernel instead of living on as orphans.
-            return subprocess.Popen(list(spec.argv), stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(list(spec.argv), stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env={**os.environ, **spec.env},
                                     start_new_session=True, preexec_fn=_die_with_parent)
+        pid_path = os.path.join(os.path.dirname(spec.log_path), f"engine_{spec.index}.pid")
+        with open(pid_path + ".tmp", "w") as f:
+            f.write(f"{proc.pid}\n")
+        os.replace(pid_path + ".tmp", pid_path)
+        return proc
+
+    # -- restarts -------------------------------------------------------------------------------
+    def supervise(self, *, max_restarts: int, on_down: Optional[Callable[[str, str], None]] = None,
+                  interval_s: float = 0.5) -> None:
+        """Restart servers that exit, up to `max_restarts` times each (see the module docstring).
+        Launched backends only; call after `start()`. The thread is also the restarted servers'
+        parent for the parent-death signal, so it lives until `stop()`."""
+        if self.backend == "attach":
+            raise ValueError("backend=attach: the servers were started elsewhere and cannot be restarted here")
+        if max_restarts < 1 or self._supervisor is not None:
+            return
+        self._supervisor = threading.Thread(target=self._supervise, args=(max_restarts, on_down, interval_s),
+                                            name="engine-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def take_restarted(self) -> List[str]:
+        """URLs of engines restarted and healthy since the last call (they need the current weights)."""
+        with self._lock:
+            out, self._restarted = self._restarted, []
+        return out
+
+    def _supervise(self, max_restarts: int, on_down: Optional[Callable[[str, str], None]],
+                   interval_s: float) -> None:
+        specs = self.specs()
+        count = [0] * len(specs)
+        while not self._stopping.wait(interval_s):
+            for spec in specs:
+                with self._lock:
+                    proc = self._procs[spec.index] if spec.index < len(self._procs) else None
+                if proc is None or proc.poll() is None or spec.index in self.gave_up:
+                    continue
+                reason = f"engine {spec.index} ({spec.url}) exited with code {proc.returncode}"
+                if on_down is not None:
+                    on_down(spec.url, reason)
+                if count[spec.index] >= max_restarts:
+                    self.gave_up.append(spec.index)
+                    _log(f"{reason}; it was restarted {count[spec.index]} times (engines.max_restarts): "
+                         "it stays down")
+                    continue
+                count[spec.index] += 1
+                self._restart(spec, proc, reason)
+
+    def _restart(self, spec: EngineSpec, dead: subprocess.Popen, reason: str) -> None:
+        t0 = time.monotonic()
+        _signal_group(dead.pid, signal.SIGKILL)  # whatever it forked goes with it
+        _log(f"{reason}; restarting it (last lines of {spec.log_path}:\n{log_tail(spec.log_path, num_lines=5)})")
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            proc = self._spawn(spec)
+            self._procs[spec.index] = proc
+        entry: Dict[str, Any] = {"index": spec.index, "url": spec.url, "exit_code": dead.returncode,
+                                 "restart_s": None, "ok": False}
+        deadline = t0 + self.startup_timeout_s
+        while not self._stopping.is_set() and time.monotonic() < deadline and proc.poll() is None:
+            if probe_health(spec.url, api_key=self.api_key, timeout_s=2.0):
+                entry["restart_s"], entry["ok"] = time.monotonic() - t0, True
+                break
+            self._stopping.wait(self.poll_interval_s)
+        with self._lock:
+            self.restarts.append(entry)
+            if entry["ok"]:
+                self._restarted.append(spec.url)
+        if entry["ok"]:
+            _log(f"engine {spec.index} ({spec.url}) restarted: healthy after {entry['restart_s']:.1f} s")
+        elif not self._stopping.is_set():
+            _log(f"engine {spec.index} ({spec.url}) did not come back within {self.startup_timeout_s:g} s "
+                 f"(startup_timeout_s); last lines of {spec.log_path}:\n{log_tail(spec.log_path)}")
+            _signal_group(proc.pid, signal.SIGKILL)  # the next poll counts it as exited again
 
     def _wait_healthy(self, specs: Sequence[EngineSpec]) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -289,6 +382,10 @@ class EngineLauncher:
 
     def stop(self) -> None:
         """SIGTERM every server's process group, SIGKILL what is left after stop_grace_s. Idempotent."""
+        self._stopping.set()
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout=10.0)
+        self._supervisor = None
         with self._lock:
             procs = [p for p in self._procs if p is not None]
             self._procs = []
@@ -306,6 +403,10 @@ class EngineLauncher:
                 proc.wait(timeout=5.0)
             except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL not delivered
                 pass
+
+
+def _log(message: str) -> None:
+    logging.getLogger(__name__).warning(message)
 
 
 def _die_with_parent() -> None:

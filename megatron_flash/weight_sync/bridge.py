@@ -226,6 +226,18 @@ class WeightBridge:
             alive = [u for u in urls if u in results]
         return self._bcast(alive)
 
+    def readmit(self, urls: Sequence[str]) -> None:
+        """Put engines (restarted by the launcher) back among the targets of the next sync, which
+        sends them every weight. Every rank must call it with the same list."""
+        urls = [u.rstrip("/") for u in urls]
+        if self._group is not None and any(u in self._group[0] for u in urls):
+            self._drop_group()  # a restarted process is not in the old broadcast group: form a new one
+        for url in urls:
+            url = url.rstrip("/")
+            self.failed.pop(url, None)
+            if url not in self.urls:
+                self.urls.append(url)
+
     # ------------------------------------------------------------------ protocol
     def sync(self, version: int) -> SyncReport:
         """Push the current weights as `version` to every engine in service. Collective: all ranks."""

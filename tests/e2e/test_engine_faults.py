@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from megatron_flash.rollout.proxy import LLMProxy
-from megatron_flash.rollout.sglang_launcher import EngineLauncher
+from megatron_flash.rollout.sglang_launcher import EngineLauncher, probe_health
 
 
 def free_ports(n: int) -> int:
@@ -68,3 +68,126 @@ def test_killing_an_engine_loses_and_duplicates_nothing(two_engines) -> None:
     assert metrics["proxy/retried"] >= 1
     assert metrics["proxy/engine0/healthy"] == 0.0
     assert sum(r.engine_url == urls[1] for r in results) >= num_requests - metrics["proxy/engine0/completed"]
+
+
+def weight_version(url: str) -> str:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/get_weight_version", timeout=10) as r:
+        return json.load(r)["weight_version"]
+
+
+def test_launcher_restarts_a_killed_engine_and_the_run_resyncs_it(tiny_models, tmp_path) -> None:
+    """The product with two launched CPU engines; engine 0 is killed (-9) mid-run. The launcher
+    must start it again, the next push must send it the trainer's weights, and it must serve again
+    (the proxy re-admits it only at the fleet's version). The run is long; once that is seen it is
+    stopped by SIGTERM (the pre-emption path) and must exit cleanly with no engine left behind."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    run_dir = str(tmp_path / "restart")
+    port = free_ports(2)
+    args = ["launch/pretrain_async_rl.py", "--config", "configs/quickstart_cpu.yaml",
+            f"model.hf_path={tiny_models['llama']}", f"logging.dir={run_dir}", "trainer.total_steps=100000",
+            "trainer.global_batch_size=16", "trainer.micro_batch_size=16", "rollout.n_samples_per_prompt=4",
+            "engines.num_engines=2", f"engines.base_port={port}", "engines.max_restarts=1",
+            "logging.wandb_mode=disabled", "logging.tensorboard=false", "async_rl.alpha=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    proc = subprocess.Popen([sys.executable] + args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    pid_path = os.path.join(run_dir, "engines", "engine_0.pid")
+
+    def rows() -> list:
+        if not os.path.exists(metrics_path):
+            return []
+        with open(metrics_path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def wait_for(what, timeout_s: float = 300.0) -> list:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            table = rows()
+            if what(table):
+                return table
+            time.sleep(0.2)
+        raise AssertionError(f"gave up waiting; run alive: {proc.poll() is None}; last rows: {rows()[-3:]}")
+
+    try:
+        wait_for(lambda t: len(t) >= 3)
+        with open(pid_path) as f:
+            victim = int(f.read())
+        killed_after = len(rows())
+        os.kill(victim, signal.SIGKILL)
+        rejoined = lambda t: [r for r in t if r.get("engines_restarted")]  # noqa: E731
+        table = wait_for(lambda t: rejoined(t) and any(r["engines_healthy"] == 2 for r in t
+                                                         if r["step"] > rejoined(t)[0]["step"]))
+        wait_for(lambda t: len(t) >= len(table) + 3)  # it keeps serving for a few more steps
+        with open(pid_path) as f:
+            survivor = int(f.read())
+        fleet_versions = [weight_version(f"http://127.0.0.1:{port + i}") for i in range(2)]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    table = rows()
+    assert [r["step"] for r in table] == list(range(len(table)))
+    assert survivor != victim  # a new process serves engine 0
+    first = rejoined(table)
+    assert len(first) == 1, [(r["step"], r.get("engines_restarted")) for r in table]
+    first = first[0]
+    assert first["step"] >= killed_after - 1 and first["engine_restart_s"] > 0
+    # The push that re-admitted it probed every synced engine: the restarted one serves the trainer's weights.
+    assert first["engines_out_of_service"] == 0 and first["train_infer_logprob_diff"] <= 1e-4, first
+    assert table[-1]["engine_restarts"] == 1 and table[-1]["engines_healthy"] == 2
+    # ...and it generated again after the re-sync (the proxy's per-engine completions of each step's window).
+    later = [r for r in table if r["step"] > first["step"] + 1]
+    assert sum(r["engine0_requests"] for r in later) > 0, [(r["step"], r["engine0_requests"]) for r in table]
+    assert fleet_versions[0] == fleet_versions[1], fleet_versions  # both engines at the trainer's weights
+    with open(os.path.join(run_dir, "engines", "engine_0.log")) as f:
+        starts = [line for line in f if line.startswith("# engine 0:")]
+    assert len(starts) == 2, starts
+    for pid in (victim, survivor):  # nothing left behind after the stop
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    print(f"engine 0 killed after step {killed_after - 1}; restarted in {first['engine_restart_s']:.1f} s; "
+          f"re-synced at step {first['step']}; {len(table)} steps")
+
+
+def test_supervisor_restarts_up_to_max_restarts_then_leaves_it_down(tiny_models, tmp_path) -> None:
+    import time
+
+    downs = []
+    launcher = EngineLauncher(backend="cpu", model_path=tiny_models["llama"], num_engines=1,
+                              base_port=free_ports(1), run_dir=str(tmp_path), startup_timeout_s=180)
+    with launcher:
+        url = launcher.urls[0]
+        launcher.supervise(max_restarts=1, on_down=lambda u, why: downs.append((u, why)), interval_s=0.1)
+        first = launcher.pids[0]
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 180
+        restarted: list = []
+        while not restarted and time.monotonic() < deadline:
+            restarted = launcher.take_restarted()
+            time.sleep(0.1)
+        assert restarted == [url]
+        second = launcher.pids[0]
+        assert second != first and probe_health(url)
+        assert launcher.take_restarted() == []  # reported once
+        os.kill(second, signal.SIGKILL)
+        while not launcher.gave_up and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert launcher.gave_up == [0]
+        assert launcher.pids == [second]  # not started a third time
+        assert not probe_health(url)
+    assert [u for u, _ in downs] == [url, url]
+    assert "exited with code -9" in downs[0][1]
+    assert len(launcher.restarts) == 1 and launcher.restarts[0]["ok"] and launcher.restarts[0]["restart_s"] > 0
+    with open(os.path.join(str(tmp_path), "engines", "engine_0.pid")) as f:
+        assert int(f.read()) == second

@@ -436,3 +436,25 @@ def test_an_engine_failed_by_an_external_sync_stays_out_until_it_reports_the_fle
         await wait_until(lambda: proxy.metrics().engines[1].healthy)
 
     run_with_fakes(body, latency_s=0.0)
+
+
+def test_take_out_stops_routing_until_the_engine_reports_the_fleet_version() -> None:
+    """An engine the launcher restarts comes back with the checkpoint's weights: taken out at once,
+    it must stay out while it answers /health at an old version, and return once synced."""
+    async def body(fakes: List[FakeEngine], proxy: LLMProxy) -> None:
+        for f in fakes:
+            f.weight_version = "5"
+        proxy.note_external_sync("5")
+        proxy.take_out(fakes[0].url, "engine 0 exited with code -9")
+        with pytest.raises(ValueError, match="http://nowhere:1"):
+            proxy.take_out("http://nowhere:1", "?")
+        fakes[0].weight_version = "default"  # the restarted process: healthy, base weights
+        results = await asyncio.gather(*(proxy.generate([1], {"max_new_tokens": 2}, rid=f"t{i}") for i in range(8)))
+        assert len(results) == 8 and not fakes[0].completed
+        await asyncio.sleep(0.3)
+        m = proxy.metrics().engines[0]
+        assert not m.healthy and "weight_version 'default'" in m.unhealthy_reason
+        fakes[0].weight_version = "5"
+        await wait_until(lambda: proxy.metrics().engines[0].healthy)
+
+    run_with_fakes(body, latency_s=0.0)

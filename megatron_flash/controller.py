@@ -67,6 +67,7 @@ class Controller:
         self._resume: Optional[dict[str, Any]] = None  # rank 0: the checkpoint's rollout state
         self._ctrl_group: Any = None
         self._totals: dict[str, float] = {}
+        self._release_metrics: dict[str, float] = {}
 
     # ================================================================== the loop (one screen)
     def run(self) -> dict[str, Any]:
@@ -78,6 +79,7 @@ class Controller:
                 t0 = time.monotonic()
                 groups = self.next_batch()                                # rank 0 waits on the buffer
                 t_wait = time.monotonic() - t0
+                self.release_engines()                                    # colocated: engines sleep
                 batch = self.make_batch(groups)                           # advantages, π_prox
                 train_metrics = self.train(batch)                         # epochs × mini-batches
                 t_train = time.monotonic() - t0 - t_wait
@@ -139,7 +141,7 @@ class Controller:
             self.bridge = WeightBridge.from_config(
                 self.policy, urls, cfg.weight_sync, pause_mode=cfg.rollout.pause_mode, api_key=cfg.engines.api_key,
                 disk_dir=default_disk_dir(self.run_dir), engine_tp_size=cfg.engines.tp_size,
-                master_address=_sender_address(urls))
+                master_address=_sender_address(urls), colocate=cfg.engines.colocate)
             if self.version > 0:  # resumed: engines start from model.hf_path, the trainer is at V
                 self.bridge.sync(self.version)
         if self.rank == 0:  # engines hold the trainer's weights: rollout may start
@@ -303,6 +305,18 @@ class Controller:
                 count += 1
         return {f"train/{k}": v / count for k, v in sums.items()}
 
+    def release_engines(self) -> None:
+        """engines.colocate: the engines give their memory back before the trainer computes (they take
+        it back inside the next push: weights, then the new values, then the KV cache)."""
+        self._release_metrics = {}
+        if self.bridge is None or not self.cfg.engines.colocate:
+            return
+        t0 = time.monotonic()
+        errors = self.bridge.release_memory()
+        if errors and self.rank == 0 and self.runtime is not None:
+            self.runtime.note_sync(self.version, errors)
+        self._release_metrics = {"time_release": time.monotonic() - t0}
+
     def push_weights(self) -> dict[str, float]:
         """Send the new weights to every engine; V ← V + 1 (frees rollout capacity)."""
         out: dict[str, float] = {}
@@ -330,6 +344,7 @@ class Controller:
         if self.rank == 0:
             self.staleness.set_version(self.version)
         out["time_sync"] = time.monotonic() - t0
+        out.update(self._release_metrics)
         return out
 
     # ================================================================== tracking

@@ -340,6 +340,11 @@ class EngineConfig(_Section):
     """Extra SGLang flags, passed verbatim as --key value (e.g. {mem-fraction-static: 0.8})."""
     api_key: Optional[str] = None
     """Bearer token for the engines' HTTP API; null = none. Redacted when a config is printed."""
+    colocate: bool = False
+    """Engines share the trainer's GPUs, time-shared: before each train step the engines are paused
+    and release their memory (weights, KV cache, CUDA graphs: SGLang's /release_memory_occupation;
+    launched SGLang engines get --enable-memory-saver), after it they take the weights back, receive
+    the new ones, then the KV cache, and generate again. Needs async_rl.alpha=0."""
     max_restarts: int = 3
     """Launched engines (cpu|sglang) that exit are started again up to this many times each, then
     synced to the trainer's weights at the next push before they serve; 0 = never (attach: never)."""
@@ -586,6 +591,11 @@ class RunConfig:
             raise ValueError(
                 f"rollout.max_new_tokens must be < trainer.max_seq_len={trainer.max_seq_len} "
                 f"(the prompt needs room), got {rollout.max_new_tokens}"
+            )
+        if self.engines.colocate and self.async_rl.alpha != 0:
+            raise ValueError(
+                f"async_rl.alpha must be 0 with engines.colocate=true (colocated engines sleep while the "
+                f"trainer holds the GPUs, so rollout cannot run ahead), got {self.async_rl.alpha}"
             )
         if n < 2 and self.loss.advantage in ("grpo", "rloo"):
             raise ValueError(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import glob
 import io
 import logging
@@ -288,18 +289,28 @@ class CpuEngine:
         self._session_open = False
         self._groups: dict[str, Any] = {}
 
+        self._released: set[str] = set()  # memory tags given back (release_memory_occupation)
+        self.num_releases = 0
+        self._weight_meta: dict[str, tuple[torch.Size, torch.dtype]] = {}
+
         generation_config = GenerationConfig(do_sample=True, eos_token_id=sorted(self.eos_ids) or -1)
         cb_config = ContinuousBatchingConfig(
             num_blocks=num_blocks, page_size=page_size, max_batch_tokens=max_batch_tokens,
             allow_block_sharing=False,  # no prefix cache: KV written under old weights is never reused
             use_async_batching=False, use_cuda_graph=False, return_logprobs=False, seed=seed,
         )
-        self._manager = self.model.init_continuous_batching(generation_config=generation_config,
-                                                            continuous_batching_config=cb_config)
-        processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([_make_sampler_processor(self)]))
-        processors.tensors_required = 1  # one int32 row of per-request arguments (unused; rows come from prepare)
-        self._manager.logit_processor = processors
-        self._manager.start()
+
+        def new_manager() -> Any:  # the paged KV cache lives in the CB manager: made again on resume
+            manager = self.model.init_continuous_batching(generation_config=generation_config,
+                                                          continuous_batching_config=cb_config)
+            processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([_make_sampler_processor(self)]))
+            processors.tensors_required = 1  # one int32 row of per-request arguments (unused; rows come from prepare)
+            manager.logit_processor = processors
+            manager.start()
+            return manager
+
+        self._new_manager = new_manager
+        self._manager = new_manager()
 
     # ------------------------------------------------------------------ CB thread: sampling
     @torch.no_grad()
@@ -365,6 +376,8 @@ class CpuEngine:
             self._update_lock = asyncio.Lock()
 
     def healthy(self) -> bool:
+        if "kv_cache" in self._released:  # asleep on purpose (colocated training holds the device)
+            return True
         return self._manager.is_running()
 
     def validate(self, prompt_ids: list[int], spec: SamplingSpec) -> None:
@@ -423,7 +436,8 @@ class CpuEngine:
         try:
             async with self._gate:
                 await self._gate.wait_for(lambda: req.finish is not None or (
-                    not self._paused and self._num_updates_waiting == 0 and self._kv_fits(need)))
+                    not self._paused and not self._released and self._num_updates_waiting == 0
+                    and self._kv_fits(need)))
         finally:
             self._kv_queue.pop(rid, None)
         self._live[rid] = req
@@ -547,6 +561,8 @@ class CpuEngine:
         if mode == "abort":
             self.abort(abort_all=True)
             return
+        if self._manager is None:  # KV cache released: nothing is running
+            return
         if self._pause_holder is None:
             holder = _PauseHolder(self._manager)
             await holder.acquire()
@@ -579,6 +595,71 @@ class CpuEngine:
         with self._lock:
             return bool(self._by_cb_id)
 
+    # ------------------------------------------------------------------ memory occupation (colocated mode)
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this process holds now: the served weights (live tensors) and its resident set."""
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return {"weights_bytes": weights, "rss_bytes": rss}
+
+    def _idle_error(self) -> str:
+        busy = [r.rid for r in self._live.values() if r.finish is None]
+        if busy or self._retracted:
+            return (f"release_memory_occupation should be called only when server is idle: "
+                    f"{len(busy)} request(s) running ({', '.join(busy[:3])}{'...' if len(busy) > 3 else ''}); "
+                    "pause_generation(mode=abort) first")
+        return ""
+
+    async def release_memory(self, tags: list[str] | None) -> dict[str, Any]:
+        """SGLang's /release_memory_occupation on CPU: `weights` frees every parameter's storage (the
+        values are lost, as with SGLang's memory saver without CPU backup: push weights after resume),
+        `kv_cache` stops the batching loop and frees its paged cache, `cuda_graph` has nothing to free.
+        Requests that arrive meanwhile wait at admission until everything is resumed."""
+        self._ensure_loop_state()
+        tags = _memory_tags(tags)
+        error = self._idle_error()
+        if error:
+            raise ValueError(error)
+        before = self.memory_bytes()
+        async with self._gate:
+            new = [t for t in tags if t not in self._released]
+            self._released.update(tags)
+            self.num_releases += 1
+        if "kv_cache" in new:
+            manager, self._manager = self._manager, None
+            await asyncio.to_thread(manager.stop, block=True, timeout=10, hard_stop=True)
+            del manager
+        if "weights" in new:
+            with torch.no_grad():
+                for name, param in self.model.named_parameters():
+                    self._weight_meta[name] = (param.shape, param.dtype)
+                    param.data = torch.empty(0, dtype=param.dtype)
+        gc.collect()
+        _malloc_trim()
+        return {"released": sorted(self._released), "before": before, "after": self.memory_bytes()}
+
+    async def resume_memory(self, tags: list[str] | None) -> dict[str, Any]:
+        """Take the released memory back. Resumed weights are zeros until the next weight update."""
+        self._ensure_loop_state()
+        tags = _memory_tags(tags)
+        missing = [t for t in tags if t not in self._released and t != "cuda_graph"]
+        if missing:
+            raise ValueError(f"resume_memory_occupation: tag(s) {missing} are not released "
+                             f"(released: {sorted(self._released) or 'none'})")
+        before = self.memory_bytes()
+        if "weights" in tags:
+            with torch.no_grad():
+                for name, param in self.model.named_parameters():
+                    shape, dtype = self._weight_meta.pop(name)
+                    param.data = torch.zeros(shape, dtype=dtype)
+        if "kv_cache" in tags:
+            self._manager = await asyncio.to_thread(self._new_manager)
+        async with self._gate:
+            self._released.difference_update(tags)
+            self._gate.notify_all()
+        return {"released": sorted(self._released), "before": before, "after": self.memory_bytes()}
+
     # ------------------------------------------------------------------ weight updates
     async def run_weight_update(self, load: Callable[[], str], *, weight_version: str | None,
                                 flush_cache: bool, abort_all_requests: bool = False) -> tuple[bool, str]:
@@ -609,9 +690,15 @@ class CpuEngine:
                 return False, _FLUSH_REFUSED
         return success, message
 
+    def _parked(self) -> Any:
+        """CB paused for the duration (nothing to pause while the KV cache, with its loop, is released)."""
+        import contextlib
+
+        return contextlib.nullcontext() if self._manager is None else self._manager.pause()
+
     async def _load_parked(self, load: Callable[[], str]) -> tuple[bool, str]:
         def parked() -> str:
-            with self._manager.pause():
+            with self._parked():
                 return load()
         try:
             return True, await asyncio.to_thread(parked)
@@ -629,7 +716,9 @@ class CpuEngine:
 
         @torch.no_grad()
         def forward() -> list[float]:
-            with self._manager.pause():
+            if "weights" in self._released:
+                raise ValueError("the weights are released (release_memory_occupation): resume them first")
+            with self._parked():
                 logits = self.model(input_ids=torch.tensor([prompt_ids])).logits[0].float()
             logprobs = torch.log_softmax(logits[:-1], dim=-1)
             return logprobs.gather(-1, torch.tensor(prompt_ids[1:])[:, None])[:, 0].tolist()
@@ -669,6 +758,9 @@ class CpuEngine:
 
     def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the served model in place (all names and shapes checked first)."""
+        if "weights" in self._released:
+            raise ValueError("the weights are released (release_memory_occupation): "
+                             "resume_memory_occupation(tags=['weights']) before updating them")
         params = self.model.state_dict(keep_vars=True)  # includes tied aliases such as lm_head.weight
         for name, tensor in named:
             if name not in params:
@@ -760,8 +852,30 @@ class CpuEngine:
     def shutdown(self) -> None:
         if self._pause_holder is not None:
             self._pause_holder.release()
-        if self._manager.is_running():
+        if self._manager is not None and self._manager.is_running():
             self._manager.stop(block=True, timeout=10, hard_stop=True)
+
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""SGLang's memory-occupation tags; none given = all of them."""
+
+
+def _memory_tags(tags: list[str] | None) -> list[str]:
+    if tags is None or len(tags) == 0:
+        return list(MEMORY_TAGS)
+    if not isinstance(tags, list) or any(t not in MEMORY_TAGS for t in tags):
+        raise ValueError(f"tags: {tags!r}; each must be one of {list(MEMORY_TAGS)}")
+    return list(dict.fromkeys(tags))
+
+
+def _malloc_trim() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise); a no-op elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 # ---------------------------------------------------------------------- update_weights_from_tensor payloads

@@ -142,7 +142,9 @@ def build_app(engine: Any, *, api_key: str | None = None, host: str = "127.0.0.1
         return {"model_path": engine.model_path, "context_length": engine.capacity,
                 "max_total_num_tokens": engine.num_blocks * engine.page_size, "page_size": engine.page_size,
                 "max_batch_tokens": engine.max_batch_tokens, "weight_version": engine.weight_version,
-                "version": "megatron-flash-cpu", "internal_states": []}
+                "version": "megatron-flash-cpu", "internal_states": [],
+                "memory_released": sorted(engine._released), "memory_releases": engine.num_releases,
+                **engine.memory_bytes()}
 
     # ---------------------------------------------------------------- generation
     def parse_generate(body: dict) -> list[dict]:
@@ -312,6 +314,22 @@ def build_app(engine: Any, *, api_key: str | None = None, host: str = "127.0.0.1
             return Response("Flush cache failed.\n", status_code=400)
         return Response("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
                         "waiting requests, the operation will not be performed.)\n", status_code=200)
+
+    # ---------------------------------------------------------------- memory occupation (colocated mode)
+    async def memory_call(request: Request, call: Any) -> Any:
+        body = await body_of(request)
+        try:
+            return JSONResponse(await call(body.get("tags")))
+        except ValueError as error:
+            return value_error(error)
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(request: Request) -> Any:
+        return await memory_call(request, engine.release_memory)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(request: Request) -> Any:
+        return await memory_call(request, engine.resume_memory)
 
     # ---------------------------------------------------------------- weights
     @app.get("/get_weight_version")

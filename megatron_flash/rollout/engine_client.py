@@ -419,6 +419,22 @@ class EngineClient:
         await self._call("POST", "/continue_generation", body={},
                          timeout_s=timeout_s or self.control_timeout_s)
 
+    async def release_memory_occupation(self, tags: Optional[Sequence[str]] = None, *,
+                                        timeout_s: Optional[float] = None) -> Any:
+        """Colocated mode: give the device memory back while the trainer uses it. tags ⊆ weights,
+        kv_cache, cuda_graph (none = all); the engine must be idle (pause with mode=abort first).
+        Released weights lose their values: resume, then push weights. SGLang needs
+        --enable-memory-saver to actually free memory. Returns the reply (SGLang: null)."""
+        body = {} if tags is None else {"tags": list(tags)}
+        return await self._call("POST", "/release_memory_occupation", body=body,
+                                timeout_s=timeout_s or self.control_timeout_s)
+
+    async def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None, *,
+                                       timeout_s: Optional[float] = None) -> Any:
+        body = {} if tags is None else {"tags": list(tags)}
+        return await self._call("POST", "/resume_memory_occupation", body=body,
+                                timeout_s=timeout_s or self.control_timeout_s)
+
     async def flush_cache(self, *, timeout_s: Optional[float] = None) -> None:
         """Drop the prefix cache. SGLang answers 400 while requests run: that is not retried."""
         await self._call_idempotent("POST", "/flush_cache", timeout_s=timeout_s or self.control_timeout_s,

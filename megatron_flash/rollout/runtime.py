@@ -122,6 +122,8 @@ class RolloutRuntime:
         first_gpu = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) if self.cfg.engines.backend == "sglang" else 0
         self.launcher = EngineLauncher.from_config(self.cfg.engines, model_path=self.model_path, run_dir=self.run_dir,
                                                    first_gpu=first_gpu)
+        if self.cfg.engines.colocate and self.cfg.engines.backend == "sglang":
+            self.launcher.server_args.setdefault("enable-memory-saver", True)  # else release frees nothing
         self.urls = self.launcher.start()
         if self.cfg.engines.backend != "attach" and self.cfg.engines.max_restarts > 0:
             self.launcher.supervise(max_restarts=self.cfg.engines.max_restarts, on_down=self.engine_down)

@@ -127,7 +127,8 @@ class WeightBridge:
                  pause_mode: str = "retract", api_key: Optional[str] = None, disk_dir: str = "",
                  master_address: str = "127.0.0.1", timeout_s: float = 600.0, engine_tp_size: int = 1,
                  max_resync: int = 1, fail_fast: bool = False, probe: bool = True, probe_threshold: float = 0.05,
-                 alive_timeout_s: float = 10.0, on_bucket: Optional[Callable[[int], None]] = None) -> None:
+                 alive_timeout_s: float = 10.0, on_bucket: Optional[Callable[[int], None]] = None,
+                 colocate: bool = False) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"weight_sync.transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if transport == "disk" and not disk_dir:
@@ -149,6 +150,8 @@ class WeightBridge:
         self.on_bucket = on_bucket
         self.failed: dict[str, str] = {}
         """Engines taken out of service by earlier syncs: url → why."""
+        self.colocate = colocate
+        self._released: dict[str, set[str]] = {}  # colocated engines' released memory tags (rank 0 knows)
         layout = policy.layout
         self.rank0 = layout.rank == 0
         self._group: Optional[tuple[tuple[str, ...], str, Any]] = None  # this stage's (members, name, group)
@@ -226,6 +229,36 @@ class WeightBridge:
             alive = [u for u in urls if u in results]
         return self._bcast(alive)
 
+    def release_memory(self) -> dict[str, str]:
+        """Colocated mode, before training: pause (abort) every engine in service and release its memory
+        (weights, KV cache, CUDA graphs). An engine that cannot is taken out of service (it would hold
+        device memory the trainer needs). Collective; returns url → error."""
+        errors: dict[str, str] = {}
+        if self.rank0:
+            _, errors = self._fan("pause_generation", self.urls, lambda c: c.pause_generation("abort"))
+            ok = [u for u in self.urls if u not in errors]
+            _, more = self._fan("release_memory_occupation", ok, lambda c: c.release_memory_occupation())
+            errors.update(more)
+            for url in ok:
+                if url not in more:
+                    self._released[url] = {"weights", "kv_cache", "cuda_graph"}
+        errors = self._bcast(errors)
+        for url, why in errors.items():
+            self.urls.remove(url)
+            self.failed[url] = why
+        return errors
+
+    def _resume_memory(self, urls: Sequence[str], tags: list[str], step: str) -> dict[str, str]:
+        """Rank 0: take back `tags` (those still released) on `urls`; returns url → error."""
+        todo = {u: [t for t in tags if t in self._released.get(u, ())] for u in urls}
+        todo = {u: t for u, t in todo.items() if t}
+        results, errors = self._fan(step, list(todo), lambda c: c.resume_memory_occupation(todo[c.url]))
+        for url in results:
+            self._released[url].difference_update(todo[url])
+            if not self._released[url]:
+                del self._released[url]
+        return errors
+
     def readmit(self, urls: Sequence[str]) -> None:
         """Put engines (restarted by the launcher) back among the targets of the next sync, which
         sends them every weight. Every rank must call it with the same list."""
@@ -233,8 +266,8 @@ class WeightBridge:
         if self._group is not None and any(u in self._group[0] for u in urls):
             self._drop_group()  # a restarted process is not in the old broadcast group: form a new one
         for url in urls:
-            url = url.rstrip("/")
             self.failed.pop(url, None)
+            self._released.pop(url, None)  # a new process holds its memory
             if url not in self.urls:
                 self.urls.append(url)
 
@@ -295,6 +328,9 @@ class WeightBridge:
         errors: dict[str, str] = {}
         if self.rank0:
             _, errors = self._fan("pause_generation", targets, lambda c: c.pause_generation(self.pause_mode))
+            if self.colocate:  # the weights' memory first (values arrive with this pass), KV after it
+                errors.update(self._resume_memory([u for u in targets if u not in errors], ["weights"],
+                                                  "resume_memory_occupation(weights)"))
             if tensor_path and resync:  # a session left open (by the failed pass, or a crashed trainer) blocks begin
                 self._fan("end_weight_update", [u for u in targets if u not in errors],
                           lambda c: c.end_weight_update(), session=True, retries=0)
@@ -337,6 +373,8 @@ class WeightBridge:
             new.update({u: m for u, m in e.items() if u in ok()})  # a dirty engine's failed end is no news
         if self.pause_mode != "in_place":
             new.update(self._fan("flush_cache", ok(), lambda c: c.flush_cache())[1])
+        if self.colocate:
+            new.update(self._resume_memory(ok(), ["kv_cache", "cuda_graph"], "resume_memory_occupation(kv_cache)"))
         new.update(self._fan("continue_generation", ok(), lambda c: c.continue_generation())[1])
         versions, e = self._fan("get_weight_version", ok(), lambda c: c.get_weight_version())
         new.update(e)

@@ -191,3 +191,50 @@ def test_supervisor_restarts_up_to_max_restarts_then_leaves_it_down(tiny_models,
     assert len(launcher.restarts) == 1 and launcher.restarts[0]["ok"] and launcher.restarts[0]["restart_s"] > 0
     with open(os.path.join(str(tmp_path), "engines", "engine_0.pid")) as f:
         assert int(f.read()) == second
+
+
+def test_colocated_run_releases_engine_memory_every_step_and_serves_pushed_weights(tiny_models, tmp_path) -> None:
+    """engines.colocate=true: before each train step both engines pause and release their memory;
+    the push takes it back (weights, new values, KV cache). Every step's probe must find the engines
+    serving exactly the trainer's weights (a missed push would leave zeros), staleness 0."""
+    import json
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from tests.conftest import REPO
+
+    run_dir = str(tmp_path / "colocate")
+    port, steps = free_ports(2), 8
+    args = ["launch/pretrain_async_rl.py", "--config", "configs/quickstart_cpu.yaml",
+            f"model.hf_path={tiny_models['llama']}", f"logging.dir={run_dir}", f"trainer.total_steps={steps}",
+            "trainer.global_batch_size=16", "trainer.micro_batch_size=16", "rollout.n_samples_per_prompt=4",
+            "engines.num_engines=2", f"engines.base_port={port}", "engines.colocate=true", "async_rl.alpha=0",
+            "logging.wandb_mode=disabled", "logging.tensorboard=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    proc = subprocess.Popen([sys.executable] + args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    releases = []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if os.path.exists(metrics_path) and sum(1 for _ in open(metrics_path)) >= 4:
+                for i in range(2):
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port + i}/get_server_info", timeout=10) as r:
+                        releases.append(json.load(r)["memory_releases"])
+                break
+            time.sleep(0.2)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert len(releases) == 2 and min(releases) >= 4, releases  # each engine released at every step so far
+    for r in rows:
+        assert r["time_release"] > 0 and r["staleness_max"] == 0 and r["engines_out_of_service"] == 0, r
+        assert r["train_infer_logprob_diff"] <= 1e-4, r

@@ -241,7 +241,7 @@ def test_colocated_gpus(rendered: Dict, monkeypatch: pytest.MonkeyPatch, tmp_pat
     cfg = _resolved(trainer)
     assert cfg["weight_sync"]["transport"] == "ipc"
     assert cfg["engines"]["server_args"]["mem-fraction-static"] == 0.5
-    assert "/release_memory_occupation" in (SLURM / "single_node_colocated.sbatch").read_text()
+    assert cfg["engines"]["colocate"] is True and cfg["async_rl"]["alpha"] == 0  # time-shared
 
 
 # ---------------------------------------------------------------------------------------- mistakes

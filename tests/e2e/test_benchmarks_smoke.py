@@ -23,3 +23,29 @@ def test_queue_scheduling_smoke(tiny_models, tmp_path) -> None:
         assert result[mode]["time_step"] > 0
         assert 0.0 <= result[mode]["engine_idle_frac"] <= 1.0
     assert result["batch"]["rounds"] >= 1
+
+
+def test_engine_memory_smoke(tmp_path) -> None:
+    """Release frees exactly the model's fp32 bytes of served weights (2 layers, hidden 64: counted by
+    hand below), resume brings them back; one kill → one measured restart."""
+    proc = run_tool(["benchmarks/engine_memory.py", "--hidden-size", "64", "--num-layers", "2", "--restarts", "1",
+                     "--out", str(tmp_path)], timeout=300)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    h, layers, vocab, inter = 64, 2, _vocab(tmp_path / "model"), 128
+    kv = h // 4 * 2  # 4 heads, 2 KV heads
+    per_layer = h * h + 2 * h * kv + h * h + 3 * h * inter + 2 * h  # q, k+v, o, gate/up/down, two norms
+    tied = _tied(tmp_path / "model")
+    expected = (vocab * h * (1 if tied else 2) + layers * per_layer + h) * 4 / 2**20
+    mem = result["memory"]
+    assert abs(mem["serving"]["weights_mb"] - expected) < 1e-6, (mem, expected)
+    assert mem["released"]["weights_mb"] == 0
+    assert mem["kv resumed"]["weights_mb"] == mem["serving"]["weights_mb"]
+    assert len(result["restart_s"]) == 1 and result["restart_s"][0] > 0
+
+
+def _vocab(model_dir) -> int:
+    return json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+
+def _tied(model_dir) -> bool:
+    return bool(json.loads((model_dir / "config.json").read_text()).get("tie_word_embeddings"))

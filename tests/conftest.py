@@ -40,6 +40,14 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return out
 
 
+@pytest.fixture(scope="session")
+def seed1_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Llama with other weights (seed 1): the target of weight-update tests."""
+    path = str(tmp_path_factory.mktemp("seed1") / "llama")
+    run_tool(["tools/make_tiny_model.py", "--out", path, "--arch", "llama", "--seed", "1"])
+    return path
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu(n): needs n CUDA GPUs")
 

@@ -14,7 +14,6 @@ import io
 import pytest
 
 from megatron_flash.rollout.engine_client import EngineClient
-from tests.conftest import run_tool
 from tests.contract.conftest import BACKENDS, launch_engine
 from tests.contract.helpers import teacher_logprobs
 
@@ -26,13 +25,6 @@ def server(request, tiny_models, tmp_path_factory):
     server = launch_engine(request.param, tiny_models["llama"], str(tmp_path_factory.mktemp("client_logs")))
     yield server
     server.stop()
-
-
-@pytest.fixture(scope="module")
-def seed1_model(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("client_seed1") / "llama")
-    run_tool(["tools/make_tiny_model.py", "--out", path, "--arch", "llama", "--seed", "1"])
-    return path
 
 
 def run(coro):

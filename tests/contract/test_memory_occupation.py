@@ -15,19 +15,11 @@ import time
 
 import pytest
 
-from tests.conftest import run_tool
 from tests.contract.conftest import BACKENDS, launch_engine
 from tests.contract.helpers import assert_logprobs_match, generate, http, post
 
 PROMPT = [1, 8, 9, 10, 11]
 PARAMS = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def seed1_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = str(tmp_path_factory.mktemp("mem_seed1") / "llama")
-    run_tool(["tools/make_tiny_model.py", "--out", path, "--arch", "llama", "--seed", "1"])
-    return path
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

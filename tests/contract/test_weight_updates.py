@@ -14,18 +14,10 @@ from datetime import timedelta
 
 import pytest
 
-from tests.conftest import run_tool
 from tests.contract.conftest import BACKENDS, free_port, launch_engine
 from tests.contract.helpers import assert_logprobs_match, generate, http, post, teacher_logprobs
 
 PROMPT = [1, 8, 9, 10, 11]
-
-
-@pytest.fixture(scope="module")
-def seed1_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = str(tmp_path_factory.mktemp("seed1") / "llama")
-    run_tool(["tools/make_tiny_model.py", "--out", path, "--arch", "llama", "--seed", "1"])
-    return path
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

@@ -38,13 +38,6 @@ CASES = [("kill", "ipc", 1, True), ("kill", "broadcast", 1, False), ("kill", "ip
          ("resync", "ipc", 1, True), ("resync", "broadcast", 1, True), ("corrupt", "ipc", 1, False)]
 
 
-@pytest.fixture(scope="module")
-def seed1_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = str(tmp_path_factory.mktemp("seed1") / "llama")
-    run_tool(["tools/make_tiny_model.py", "--out", path, "--arch", "llama", "--seed", "1"])
-    return path
-
-
 @pytest.mark.parametrize("scenario,transport,tp,fail_fast", CASES,
                          ids=[f"{s}-{t}-tp{p}{'-fail_fast' if f else ''}" for s, t, p, f in CASES])
 def test_weight_sync_fault(tiny_models, seed1_model, tmp_path, scenario: str, transport: str, tp: int,

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -97,17 +96,13 @@ def main() -> int:
                              f"{stats['time_rollout_wait']:.3f}, train {stats['time_train']:.3f}, sync "
                              f"{stats['time_sync']:.3f}, engine idle {stats['engine_idle_frac']:.2f})")
 
-    def mean(mode: str, key: str) -> float:
-        vals = [s[key] for s in runs[mode] if key in s]
-        return round(statistics.fmean(vals), 4) if vals else float("nan")
-
     keys = [*KEYS, "cores_trainer", "cores_trainer_main_thread", "cores_trainer_other_threads", "cores_engines",
             "cores_others", "trainer_main_cpu_s_per_step", "rollout_thread_cpu_s_per_step", "engine_cpu_ms_per_token"]
     result: dict = {"alpha": args.alpha, "batch": batch, "steps": args.steps, "skip": args.skip,
                     "rounds": args.rounds, "model": os.path.relpath(model, benchlib.REPO),
                     "num_layers": args.num_layers, "hidden_size": args.hidden_size, "max_len": args.max_len}
     for mode in ("sync", "async"):
-        result[mode] = {k: mean(mode, k) for k in keys}
+        result[mode] = {k: benchlib.round_mean(runs[mode], k) for k in keys}
         result[mode]["samples_per_s"] = round(batch / result[mode]["time_step"], 2)  # of the mean step time
         result[mode]["per_round"] = [{k: round(s[k], 3) for k in ("time_step", "time_rollout_wait", "time_train",
                                                                   "time_sync", "engine_idle_frac", "cores_trainer",
@@ -116,12 +111,7 @@ def main() -> int:
     s, a = result["sync"], result["async"]
     stage_rollout, stage_train = s["time_rollout_wait"], s["time_train"] + s["time_sync"]
     result["ideal_speedup"] = round((stage_rollout + stage_train) / max(stage_rollout, stage_train), 3)
-    # Runs of one round are back to back, so they share the load of other work on the machine: the
-    # per-round ratios and their median are steadier than the ratio of means when that load varies.
-    per_round = [x["time_step"] / y["time_step"] for x, y in zip(runs["sync"], runs["async"])]
-    result["speedup_per_round"] = [round(v, 3) for v in per_round]
-    result["speedup_median"] = round(statistics.median(per_round), 3)
-    result["speedup"] = round(s["time_step"] / a["time_step"], 3)
+    result.update(benchlib.speedup_fields(runs["sync"], runs["async"]))
     result["samples_per_s_ratio"] = round(a["samples_per_s"] / s["samples_per_s"], 3)
     result["load_avg_1m_before"] = load_before
     result["seconds"] = round(time.time() - t0, 1)

@@ -301,6 +301,22 @@ def steady(rows: Sequence[dict], *, skip: int, keys: Sequence[str]) -> dict[str,
     return out
 
 
+def round_mean(runs: Sequence[dict], key: str) -> float:
+    """Mean of `key` over the rounds of one mode (rounds lacking it ignored), 4 decimals."""
+    vals = [s[key] for s in runs if key in s]
+    return round(statistics.fmean(vals), 4) if vals else float("nan")
+
+
+def speedup_fields(slow: Sequence[dict], fast: Sequence[dict]) -> dict[str, Any]:
+    """time_step of `slow` over `fast`: per round, their median, and the ratio of the mean step times.
+    Runs of one round are back to back, so they share the load of other work on the machine: the
+    per-round ratios and their median are steadier than the ratio of means when that load varies."""
+    per_round = [x["time_step"] / y["time_step"] for x, y in zip(slow, fast)]
+    return {"speedup_per_round": [round(v, 3) for v in per_round],
+            "speedup_median": round(statistics.median(per_round), 3),
+            "speedup": round(round_mean(slow, "time_step") / round_mean(fast, "time_step"), 3)}
+
+
 def uptime_load() -> Optional[float]:
     try:
         return os.getloadavg()[0]

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -90,24 +89,15 @@ def main() -> int:
             benchlib.log(name, f"replication {mode} round {r}: {s['time_step']:.3f} s/step, engine idle "
                                f"{s['engine_idle_frac']:.2f}")
 
-    def mean(mode: str, key: str) -> float:
-        vals = [s[key] for s in results[mode] if key in s]
-        return round(statistics.fmean(vals), 4) if vals else float("nan")
-
     result: dict = {"engines": args.engines, "max_inflight_per_engine": args.max_inflight, "prompts": args.prompts,
                     "n": args.n, "alpha": args.alpha, "steps": args.steps, "skip": args.skip, "rounds": args.rounds,
                     "model": os.path.relpath(model, benchlib.REPO)}
     for mode in modes:
-        result[mode] = {k: mean(mode, k) for k in (*keys, "cores_trainer", "cores_engines", "cores_others",
+        result[mode] = {k: benchlib.round_mean(results[mode], k) for k in (*keys, "cores_trainer", "cores_engines", "cores_others",
                                                    "engine_cpu_ms_per_token")}
         result[mode]["samples_per_s"] = round(batch / result[mode]["time_step"], 2)
         result[mode]["sec_per_step_per_round"] = [round(s["time_step"], 3) for s in results[mode]]
-    # Runs of one round are back to back, so they share the load of other work on the machine: the
-    # per-round ratios and their median are steadier than the ratio of means when that load varies.
-    per_round = [x["time_step"] / y["time_step"] for x, y in zip(results["off"], results["on"])]
-    result["speedup_per_round"] = [round(v, 3) for v in per_round]
-    result["speedup_median"] = round(statistics.median(per_round), 3)
-    result["speedup"] = round(result["off"]["time_step"] / result["on"]["time_step"], 3)
+    result.update(benchlib.speedup_fields(results["off"], results["on"]))
     if "chunked" in results:
         result["chunk"] = args.chunk
         result["speedup_chunked"] = round(result["off"]["time_step"] / result["chunked"]["time_step"], 3)

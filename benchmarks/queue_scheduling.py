@@ -216,10 +216,6 @@ def main() -> int:
             benchlib.log(name, f"{mode} round {r}: {s['time_step']:.3f} s/step, engine idle "
                                f"{s['engine_idle_frac']:.2f}")
 
-    def mean(mode: str, key: str) -> float:
-        vals = [s[key] for s in results[mode] if key in s]
-        return round(statistics.fmean(vals), 4) if vals else float("nan")
-
     result: dict = {"engines": args.engines, "max_running": args.max_running, "kept_groups_per_step": args.prompts,
                     "n": args.n, "extra_prompts": args.extra_prompts, "alpha": args.alpha, "steps": args.steps,
                     "skip": args.skip, "rounds": args.rounds, "model": os.path.relpath(model, benchlib.REPO),
@@ -228,20 +224,14 @@ def main() -> int:
     for mode in modes:
         keys = (("rounds", "groups_generated") if mode == "batch" else
                 ("groups_dropped_filtered_per_step", "groups_dropped_stale_per_step"))
-        result[mode] = {k: mean(mode, k) for k in ("time_step", "engine_idle_frac", "tokens", *keys, *cores,
+        result[mode] = {k: benchlib.round_mean(results[mode], k) for k in ("time_step", "engine_idle_frac", "tokens", *keys, *cores,
                                                    "engine_cpu_ms_per_token")}
         result[mode]["kept_samples_per_s"] = round(batch / result[mode]["time_step"], 2)
         result[mode]["sec_per_step_per_round"] = [round(x["time_step"], 3) for x in results[mode]]
     if "queue_no_extra" in modes:
-        result["speedup_no_extra"] = round(result["batch"]["time_step"] / result["queue_no_extra"]["time_step"], 3)
-        result["speedup_no_extra_median"] = round(statistics.median(
-            x["time_step"] / y["time_step"] for x, y in zip(results["batch"], results["queue_no_extra"])), 3)
-    # Runs of one round are back to back, so they share the load of other work on the machine: the
-    # per-round ratios and their median are steadier than the ratio of means when that load varies.
-    per_round = [x["time_step"] / y["time_step"] for x, y in zip(results["batch"], results["queue"])]
-    result["speedup_per_round"] = [round(v, 3) for v in per_round]
-    result["speedup_median"] = round(statistics.median(per_round), 3)
-    result["speedup"] = round(result["batch"]["time_step"] / result["queue"]["time_step"], 3)
+        no_extra = benchlib.speedup_fields(results["batch"], results["queue_no_extra"])
+        result["speedup_no_extra"], result["speedup_no_extra_median"] = no_extra["speedup"], no_extra["speedup_median"]
+    result.update(benchlib.speedup_fields(results["batch"], results["queue"]))
     result["load_avg_1m_before"] = load_before
     result["seconds"] = round(time.time() - t0, 1)
     print(json.dumps(result))

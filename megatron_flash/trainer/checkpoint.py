@@ -87,16 +87,20 @@ def save_dist_checkpoint(sharded_state_dict: dict, path: str) -> None:
     `torch.cuda.synchronize()`, which raises on a CPU-only torch; we ask for the async request
     instead and run it ourselves, without that staging when there is no GPU (a no-op for host
     tensors anyway). Needs psutil (Megatron's writer processes die without it)."""
-    import multiprocessing
+    import queue
 
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     # Megatron collects write results through a queue it makes with a multiprocessing *Manager* (a
     # server process) on first use; a trainer killed with -9 leaves that process orphaned for ever.
-    # Its writers are forked children, so a plain fork-context queue serves, with no extra process.
-    if getattr(filesystem_async, "_results_queue", False) is None:
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
+    # execute_sync() runs the write function in this process (its forked writers report through
+    # their own queues), so the result goes in and comes out here: a thread queue serves, with no
+    # extra process. (A multiprocessing.Queue does not: its put() hands the item to a feeder thread,
+    # and Megatron's get_nowait() right after can find it empty — a flaky "results_queue should not
+    # be empty" that a resume test hit once.)
+    if not isinstance(getattr(filesystem_async, "_results_queue", None), queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
     request = dist_checkpointing.save(sharded_state_dict, path, async_sharded_save=True)
     if not torch.cuda.is_available():
         request = request._replace(preload_fn=None)

@@ -22,10 +22,20 @@ the synchronous schedule on the same split and the rollout never waits for anyth
 
     scheduling "queue": a request goes to the least-loaded engine the moment a slot frees
     scheduling "batch": a step's B requests start together; the next batch waits for the slowest
-    prompt_replication off: a group's n responses are one request on one engine (n slots)
-    extra_groups: start B/n + extra groups per batch, keep the first B/n complete (batch mode)
+    prompt_replication off: a group's n responses are one request on one engine (n slots);
+         replication_chunk=k: ceil(n/k) requests of k sequences
+    keep_prob (dynamic filter): a finished group is kept with this probability; queue: a dropped
+         group frees its admission slot at once; batch: the step's missing groups start again in a
+         new round once the round's last group ends
+    extra_groups (redundant prompts): queue: admission allows B/n + extra groups beyond the α
+         bound, the trainer takes the first B/n kept, and at each push groups too stale to train
+         (start version < V − α) are cancelled, buffered or in flight; batch: each round starts
+         `extra` more groups and the rest of the round is aborted once B/n are kept
     env: each sample is `num_turns` segments separated by an environment latency; "async" frees
-         the slot during env wait, "batch" steps every env of the batch together (barrier per turn)
+         the slot during env wait, "batch" steps every env of the batch together (barrier per turn);
+         max_inflight_groups caps groups generating at once (env instances)
+    per_request_s: engine seconds every request costs besides decoding (HTTP, prefill again)
+    client_per_request_s: the rollout client handles requests one at a time before they start
 
 Worked example (tests/unit/test_planner.py): two stages of 1 s each, constant lengths, α ≥ 1 →
 1 s/step vs 2 s/step synchronous: speedup 2, the ceiling for two balanced stages.
@@ -97,6 +107,11 @@ class Workload:
     """Sampler of one response length (tokens)."""
     num_turns: int = 1
     env_latency: Callable[[random.Random], float] = lambda rng: 0.0
+    keep_prob: float = 1.0
+    """Dynamic filter: the fraction of finished groups kept (e.g. nonzero_std drops groups whose
+    rewards are all equal); a dropped group frees its admission slot and another prompt starts."""
+    max_inflight_groups: int = 0
+    """Groups generating at once at most (agentic: env instances / group size); 0 = bounded by α only."""
 
 
 @dataclasses.dataclass
@@ -111,6 +126,12 @@ class Costs:
     train_s: Callable[[int, int], float]
     """(train_gpus, tokens) -> seconds of one train step."""
     sync_s: float
+    per_request_s: float = 0.0
+    """Engine seconds every request (every turn of an episode) costs besides its decode steps: HTTP
+    and scheduling, or re-prefilling the conversation on an engine without a prefix cache."""
+    client_per_request_s: float = 0.0
+    """Seconds of the rollout client (one asyncio loop: scheduler, proxy, HTTP, rewards) per request;
+    requests pass it one at a time before they reach an engine, so it caps requests/s."""
 
     @classmethod
     def from_models(cls, *, model: ModelSpec, gpu: GPUSpec, engine_tp: int, mean_ctx: float, max_ctx: float,
@@ -138,6 +159,23 @@ class Costs:
         return cls(decode_step=decode_step, engine_cap=cap, prefill_s=prefill, train_s=train_s, sync_s=sync)
 
 
+def measured_decode(points: Sequence[tuple[int, float]]) -> Callable[[int], float]:
+    """Decode-step seconds vs sequences in flight from measurements [(k, seconds), ...]: piecewise
+    linear between the points, the end segments' lines beyond them (never below the smallest
+    measured cost)."""
+    pts = sorted((int(k), float(v)) for k, v in points)
+    if len(pts) < 2 or len({k for k, _ in pts}) != len(pts):
+        raise ValueError(f"measured_decode needs two or more distinct sequence counts, got {points!r}")
+
+    def step(k: int) -> float:
+        i = 1
+        while i < len(pts) - 1 and k > pts[i][0]:
+            i += 1
+        (k0, v0), (k1, v1) = pts[i - 1], pts[i]
+        return max(pts[0][1] if k >= pts[0][0] else 0.0, v0 + (v1 - v0) * (k - k0) / (k1 - k0))
+    return step
+
+
 @dataclasses.dataclass
 class Result:
     sec_per_step: float
@@ -145,6 +183,12 @@ class Result:
     train_idle_frac: float
     rollout_idle_frac: float
     staleness_mean: float
+    total_s: float = 0.0
+    """Time at which the last simulated step ended."""
+    groups_dropped: int = 0
+    """Finished groups the dynamic filter dropped."""
+    groups_cancelled: int = 0
+    """Groups aborted unfinished (the rest of a redundant wave) or expired (too stale to train)."""
 
 
 class _Engine:
@@ -172,63 +216,106 @@ class _Engine:
 
 def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int, alpha: int, num_steps: int,
              colocated: bool = False, scheduling: str = "queue", prompt_replication: bool = True,
-             extra_groups: int = 0, env_mode: str = "async", seed: int = 0) -> Result:
+             replication_chunk: int = 0, extra_groups: int = 0, env_mode: str = "async", seed: int = 0) -> Result:
     """Simulate `num_steps` train steps; see the module docstring. `colocated`: the same GPUs generate
-    then train (synchronous: alpha is 0 and generation waits while the trainer holds the GPUs)."""
+    then train (synchronous: alpha is 0 and generation waits while the trainer holds the GPUs).
+    A group's n responses go out as n requests (prompt_replication), one request of n sequences
+    (prompt_replication=False), or requests of `replication_chunk` sequences."""
     if scheduling not in ("queue", "batch") or env_mode not in ("async", "batch"):
         raise ValueError(f"scheduling={scheduling!r} / env_mode={env_mode!r}: queue|batch, async|batch")
     B, n = work.batch_size, work.group_size
     if B % n:
         raise ValueError(f"batch_size={B} is not a multiple of group_size={n}")
+    if not 0.0 < work.keep_prob <= 1.0:
+        raise ValueError(f"keep_prob={work.keep_prob}: must be in (0, 1]")
     rng = random.Random(seed)
     alpha = 0 if colocated else alpha
-    wave = scheduling == "batch" or (env_mode == "batch" and work.num_turns > 1) or extra_groups > 0
-    groups_per_step = B // n
-    per_group = n if prompt_replication else 1
+    wave = scheduling == "batch" or (env_mode == "batch" and work.num_turns > 1)
+    gps = B // n  # groups per step
+    chunk = replication_chunk if replication_chunk > 1 else (1 if prompt_replication else n)
     engines = [_Engine(costs.decode_step) for _ in range(num_engines)]
     requests: list[dict] = []
+    groups: list[dict] = []
     queue: list[int] = []
     env_heap: list[tuple[float, int]] = []
     pending_env: list[int] = []  # batch env stepping: requests waiting for the rest of the wave
-    buffer: list[int] = []  # start versions of finished samples, in finish order
-    st = {"admitted": 0, "version": 0, "train_end": math.inf, "train_busy": 0.0, "wave": set(),
-          "wave_done": 0, "steps": 0}
-    group_left: dict[int, int] = {}
+    buffer: list[int] = []  # finished, kept groups in finish order
+    client: list[tuple[float, int]] = []  # requests leaving the rollout client: (time, id)
+    st = {"client_free": 0.0, "admitted": 0, "inflight": 0, "version": 0, "train_end": math.inf, "train_busy": 0.0, "steps": 0,
+          "waves": 0, "dropped": 0, "cancelled": 0}
+    cur: dict = {"gids": set(), "kept": 0}  # the open wave (batch scheduling)
     step_ends: list[float] = []
     staleness: list[int] = []
     mean_tokens = work.prompt_len + _mean_len(work)
     t = 0.0
 
-    def new_group() -> list[int]:
+    def new_group() -> int:
         samples = [[(max(1, int(work.lengths(rng))), work.env_latency(rng) if k < work.num_turns - 1 else 0.0)
                     for k in range(work.num_turns)] for _ in range(n)]
-        if not prompt_replication:  # one request with n sequences: each turn lasts as long as its longest
-            samples = [[(max(s[k][0] for s in samples), max(s[k][1] for s in samples))
-                        for k in range(work.num_turns)]]
-        gid = len(group_left)
-        group_left[gid] = len(samples)
+        gid = len(groups)
+        keep = work.keep_prob >= 1.0 or rng.random() < work.keep_prob
         ids = []
-        for segs in samples:
-            requests.append({"segs": segs, "turn": 0, "v": st["version"], "gid": gid,
-                             "w": 1 if prompt_replication else n, "eng": None})
+        for c in range(0, n, chunk):  # one request per chunk: each turn lasts as long as its longest
+            part = samples[c:c + chunk]
+            segs = [(max(x[k][0] for x in part), max(x[k][1] for x in part)) for k in range(work.num_turns)]
+            requests.append({"segs": segs, "turn": 0, "gid": gid, "w": len(part), "live": True})
             ids.append(len(requests) - 1)
-        queue.extend(ids)
-        return ids
+        groups.append({"v": st["version"], "left": len(ids), "keep": keep, "reqs": ids, "done": False})
+        st["inflight"] += 1
+        for rid in ids:
+            to_client(rid)
+        return gid
+
+    def to_client(rid: int) -> None:
+        """The request passes the rollout client (FIFO, one at a time) before it may start."""
+        if not costs.client_per_request_s:
+            queue.append(rid)
+            return
+        st["client_free"] = max(st["client_free"], t) + costs.client_per_request_s
+        heapq.heappush(client, (st["client_free"], rid))
+
+    def room() -> bool:
+        return not work.max_inflight_groups or st["inflight"] < work.max_inflight_groups
 
     def admit() -> None:
         if colocated and st["train_end"] < math.inf:
             return
-        bound = (st["version"] + alpha + 1) * B
         if wave:
-            if not st["wave"] and st["admitted"] + B <= bound:
-                for _ in range(groups_per_step + extra_groups):
-                    st["wave"].update(new_group())
-                st["admitted"] += B  # extra groups are dropped at the wave's end, not counted
-                st["wave_done"] = 0
+            if not cur["gids"] and st["waves"] < st["version"] + alpha + 1:
+                st["waves"] += 1
+                cur["kept"] = 0
+                start_round()
             return
-        while st["admitted"] + n <= bound:
+        while st["admitted"] < (st["version"] + alpha + 1) * gps + extra_groups and room():
             new_group()
-            st["admitted"] += n
+            st["admitted"] += 1
+
+    def start_round() -> None:  # batch: the step's missing groups (plus redundant ones) start together
+        for _ in range(gps - cur["kept"] + extra_groups):
+            cur["gids"].add(new_group())
+
+    def cancel(gids: set) -> None:
+        """Abort these groups' requests wherever they are (engine, queue, env wait)."""
+        rids = {r for g in gids for r in groups[g]["reqs"] if requests[r]["live"]}
+        for r in rids:
+            requests[r]["live"] = False
+        for e in engines:
+            if any(x[1] in rids for x in e.ends):
+                e.advance(t)
+                e.ends = [x for x in e.ends if x[1] not in rids]
+                heapq.heapify(e.ends)
+                e.slots = sum(requests[x[1]]["w"] for x in e.ends)
+        queue[:] = [q for q in queue if q not in rids]
+        env_heap[:] = [x for x in env_heap if x[1] not in rids]
+        heapq.heapify(env_heap)
+        client[:] = [x for x in client if x[1] not in rids]
+        heapq.heapify(client)
+        pending_env[:] = [q for q in pending_env if q not in rids]
+        for g in gids:
+            if not groups[g]["done"]:
+                groups[g]["done"] = True
+                st["inflight"] -= 1
+                st["cancelled"] += 1
 
     def dispatch() -> None:
         keep = []
@@ -239,32 +326,55 @@ def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int,
                 keep.append(rid)
                 continue
             eng.advance(t)
-            pre = costs.prefill_s / costs.decode_step(eng.slots + r["w"]) if r["turn"] == 0 else 0.0
+            extra_s = costs.per_request_s + (costs.prefill_s if r["turn"] == 0 else 0.0)
+            pre = extra_s / costs.decode_step(eng.slots + r["w"]) if extra_s else 0.0
             eng.slots += r["w"]
             heapq.heappush(eng.ends, (eng.S + r["segs"][r["turn"]][0] + pre, rid))
-            r["eng"] = eng
         queue[:] = keep
 
-    def close_wave() -> None:  # redundant prompts: abort what is left of the wave
-        drop = st["wave"]
-        for e in engines:
-            if any(x[1] in drop for x in e.ends):
-                e.advance(t)
-                e.ends = [x for x in e.ends if x[1] not in drop]
-                heapq.heapify(e.ends)
-                e.slots = sum(requests[x[1]]["w"] for x in e.ends)
-        queue[:] = [q for q in queue if q not in drop]
-        env_heap[:] = [x for x in env_heap if x[1] not in drop]
-        heapq.heapify(env_heap)
-        pending_env.clear()
-        st["wave"] = set()
+    def group_done(gid: int) -> None:
+        g = groups[gid]
+        g["done"] = True
+        st["inflight"] -= 1
+        if not wave:
+            if g["keep"]:
+                buffer.append(gid)
+            else:
+                st["dropped"] += 1
+                st["admitted"] -= 1  # its admission slot goes to a new prompt
+            return
+        cur["gids"].discard(gid)
+        if not g["keep"]:
+            st["dropped"] += 1
+        elif cur["kept"] < gps:
+            cur["kept"] += 1
+            buffer.append(gid)
+        if cur["kept"] >= gps:
+            cancel(set(cur["gids"]))  # redundant prompts: abort what is left of the wave
+            cur["gids"] = set()
+        elif not cur["gids"]:
+            start_round()  # the filter left the step short: generate the missing groups again
+
+    def expire() -> None:
+        """After a push: groups that can no longer be trained within α (redundant surplus) go."""
+        floor = st["version"] - alpha
+        stale_buffered = [g for g in buffer if groups[g]["v"] < floor]
+        if stale_buffered:
+            buffer[:] = [g for g in buffer if groups[g]["v"] >= floor]
+            st["cancelled"] += len(stale_buffered)
+            st["admitted"] -= len(stale_buffered)
+        running = {g for g in range(len(groups)) if not groups[g]["done"] and groups[g]["v"] < floor}
+        if running and not wave:
+            cancel(running)
+            st["admitted"] -= len(running)
 
     admit()
     dispatch()
     while st["steps"] < num_steps:
         te, ei = min(((e.next_end(), i) for i, e in enumerate(engines)), default=(math.inf, -1))
         tenv = env_heap[0][0] if env_heap else math.inf
-        t = min(te, tenv, st["train_end"])
+        tcl = client[0][0] if client else math.inf
+        t = min(te, tenv, tcl, st["train_end"])
         if t == math.inf:
             raise RuntimeError("simulation stalled (engine cap below the group size without replication?)")
         if st["train_end"] == t:
@@ -272,8 +382,15 @@ def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int,
             st["version"] += 1
             st["steps"] += 1
             step_ends.append(t)
+            expire()
+        elif tcl == t:
+            queue.append(heapq.heappop(client)[1])
         elif tenv == t:
-            queue.insert(0, heapq.heappop(env_heap)[1])
+            rid = heapq.heappop(env_heap)[1]
+            if costs.client_per_request_s:
+                to_client(rid)
+            else:
+                queue.insert(0, rid)
         else:
             eng = engines[ei]
             eng.advance(t)
@@ -289,22 +406,19 @@ def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int,
                 else:
                     heapq.heappush(env_heap, (t + latency, rid))
             else:
-                group_left[r["gid"]] -= 1
-                if group_left[r["gid"]] == 0:
-                    if not wave or st["wave_done"] < groups_per_step:
-                        buffer.extend([r["v"]] * n)
-                    if wave:
-                        st["wave_done"] += 1
-                        if st["wave_done"] >= groups_per_step:
-                            close_wave()
-        if pending_env and not queue and not any(e.slots for e in engines) and not env_heap:
+                r["live"] = False
+                g = groups[r["gid"]]
+                g["left"] -= 1
+                if g["left"] == 0:
+                    group_done(r["gid"])
+        if pending_env and not queue and not any(e.slots for e in engines) and not env_heap and not client:
             release = max(requests[rid]["env_done"] for rid in pending_env)  # every env steps together
             for rid in pending_env:
                 heapq.heappush(env_heap, (release, rid))
             pending_env.clear()
-        if st["train_end"] == math.inf and len(buffer) >= B and not (colocated and any(e.slots for e in engines)):
-            batch, buffer[:] = buffer[:B], buffer[B:]
-            staleness.extend(st["version"] - v for v in batch)
+        if st["train_end"] == math.inf and len(buffer) >= gps and not (colocated and any(e.slots for e in engines)):
+            batch, buffer[:] = buffer[:gps], buffer[gps:]
+            staleness.extend(st["version"] - groups[g]["v"] for g in batch for _ in range(n))
             dur = costs.train_s(train_gpus, int(B * mean_tokens)) + costs.sync_s
             st["train_end"] = t + dur
             st["train_busy"] += dur
@@ -323,7 +437,8 @@ def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int,
         train_idle, rollout_idle = 1 - train_busy, 1 - rollout_busy
     return Result(sec_per_step=sec, samples_per_s=B / sec, train_idle_frac=max(0.0, train_idle),
                   rollout_idle_frac=max(0.0, rollout_idle),
-                  staleness_mean=sum(staleness) / max(1, len(staleness)))
+                  staleness_mean=sum(staleness) / max(1, len(staleness)), total_s=total,
+                  groups_dropped=st["dropped"], groups_cancelled=st["cancelled"])
 
 
 _MEAN_CACHE: dict[int, float] = {}

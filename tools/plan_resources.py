@@ -56,7 +56,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a("--alpha", type=int, default=2)
     a("--scheduling", default="queue", choices=["queue", "batch"])
     a("--no-prompt-replication", action="store_true")
-    a("--extra-groups", type=int, default=0)
+    a("--extra-groups", type=int, default=0, help="redundant prompts (rollout.extra_prompts)")
+    a("--replication-chunk", type=int, default=0, help="rollout.replication_chunk (0: 1 with replication)")
+    a("--keep-prob", type=float, default=1.0, help="dynamic filter: fraction of finished groups kept")
+    a("--max-inflight-groups", type=int, default=0, help="agentic: env instances / group size (0 = no cap)")
+    a("--decode-points", default="", help="measured decode-step seconds 'k:s,k:s,...' (replaces the model; "
+                                            "benchmarks/engine_step_cost.py measures them)")
+    a("--per-request-s", type=float, default=0.0, help="engine seconds per request besides decoding")
+    a("--client-per-request-s", type=float, default=0.0, help="rollout client seconds per request (serial)")
     a("--mfu", type=float, default=0.4)
     a("--max-running", type=int, default=256)
     a("--sync-overhead-s", type=float, default=1.0)
@@ -107,12 +114,20 @@ def build(args: argparse.Namespace):
         lambda rng: args.env_latency_mean * rng.lognormvariate(-args.env_latency_sigma ** 2 / 2, args.env_latency_sigma)
         if args.env_latency_mean > 0 else 0.0)
     work = planner.Workload(batch_size=args.batch_size, group_size=args.group_size, prompt_len=args.prompt_len,
-                            lengths=lengths, num_turns=args.num_turns, env_latency=env_s)
+                            lengths=lengths, num_turns=args.num_turns, env_latency=env_s, keep_prob=args.keep_prob,
+                            max_inflight_groups=args.max_inflight_groups)
     mean_len = planner._mean_len(work)
     costs = planner.Costs.from_models(model=model, gpu=gpu, engine_tp=args.engine_tp,
                                       mean_ctx=args.prompt_len + mean_len / 2, max_ctx=args.prompt_len + args.max_len,
                                       mfu=args.mfu, max_running=args.max_running,
                                       sync_overhead_s=args.sync_overhead_s, prompt_len=args.prompt_len)
+    if args.decode_points:
+        try:
+            points = [(int(k), float(v)) for k, v in (x.split(":") for x in args.decode_points.split(","))]
+        except ValueError:
+            raise ValueError(f"--decode-points {args.decode_points!r}: expected 'k:seconds,k:seconds,...'") from None
+        costs.decode_step = planner.measured_decode(points)
+    costs.per_request_s, costs.client_per_request_s = args.per_request_s, args.client_per_request_s
     return work, costs
 
 
@@ -139,6 +154,7 @@ def apply_measured(args, work, costs):
 def evaluate(args, work, costs) -> dict:
     common = dict(work=work, costs=costs, num_steps=args.steps, scheduling=args.scheduling,
                   prompt_replication=not args.no_prompt_replication, extra_groups=args.extra_groups,
+                  replication_chunk=args.replication_chunk,
                   env_mode=args.env_mode, seed=args.seed)
     G, tp, unit = args.total_gpus, args.engine_tp, args.train_unit
     base = planner.simulate(num_engines=max(1, G // tp), train_gpus=G, alpha=0, colocated=True, **common)

@@ -1,0 +1,83 @@
+"""Decode-step cost and per-request cost of the CPU engine server, the planner's measured inputs.
+
+    OMP_NUM_THREADS=1 python benchmarks/engine_step_cost.py [--num-layers 2] [--hidden-size 64] [--k 1,2,4,8,16,32,64]
+
+One CPU engine server (1 thread, a model of the given size built by tools/make_tiny_model.py, KV for
+64 × 128 tokens). For each k: k concurrent requests of a 4-token prompt with exactly L new tokens
+(ignore_eos), L = --short and --long, each timed --repeats times (median). Two lengths separate the
+costs: step(k) = (T(k, long) − T(k, short)) / (long − short) is one decode step with k sequences;
+per_request(k) = (T(k, short) − short · step(k)) / k is what each request costs besides its decode
+steps (HTTP, admission, prefill, the client), per request when k run together.
+Last line: JSON {"step_s": {k: s}, "per_request_s": {k: s}} — `tools/validate_planner.py` reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+async def timed(url: str, k: int, length: int) -> float:
+    from megatron_flash.rollout.engine_client import EngineClient
+
+    params = {"temperature": 1.0, "max_new_tokens": length, "ignore_eos": True}
+    async with EngineClient(url) as client:
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(client.generate([1, 5, 6, 7], params, return_logprob=True) for _ in range(k)))
+        took = time.perf_counter() - t0
+    assert all(len(o.output_ids) == length for o in outs)
+    return took
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--k", default="1,2,4,8,16,32,64")
+    p.add_argument("--short", type=int, default=8)
+    p.add_argument("--long", type=int, default=72)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+
+    from benchmarks.benchlib import env, free_ports
+    from megatron_flash.rollout.sglang_launcher import EngineLauncher
+
+    work = tempfile.mkdtemp(prefix="mf_step_cost_")
+    model = os.path.join(work, "model")
+    subprocess.run([sys.executable, os.path.join(REPO, "tools/make_tiny_model.py"), "--out", model, "--num-layers",
+                    str(args.num_layers), "--hidden-size", str(args.hidden_size)], check=True, env=env(),
+                   stdout=subprocess.DEVNULL)
+    ks = [int(x) for x in args.k.split(",")]
+    blocks = max(ks) * -(-(4 + args.long) // 16) + 16
+    launcher = EngineLauncher(backend="cpu", model_path=model, num_engines=1, base_port=free_ports(1), run_dir=work,
+                              server_args={"num-blocks": blocks, "max-batch-tokens": max(256, max(ks) * 4)},
+                              env={"OMP_NUM_THREADS": "1"})
+    step, per_req = {}, {}
+    with launcher:
+        url = launcher.urls[0]
+        asyncio.run(timed(url, 4, 8))  # warm-up
+        for k in ks:
+            t = {L: statistics.median(asyncio.run(timed(url, k, L)) for _ in range(args.repeats))
+                 for L in (args.short, args.long)}
+            step[k] = (t[args.long] - t[args.short]) / (args.long - args.short)
+            per_req[k] = max(0.0, t[args.short] - args.short * step[k]) / k
+            print(f"k={k:>3}: T({args.short})={t[args.short]:.3f} s T({args.long})={t[args.long]:.3f} s → "
+                  f"step {step[k] * 1e3:.2f} ms, per request {per_req[k] * 1e3:.2f} ms", flush=True)
+    print(json.dumps({"num_layers": args.num_layers, "hidden_size": args.hidden_size,
+                      "step_s": {str(k): round(v, 6) for k, v in step.items()},
+                      "per_request_s": {str(k): round(v, 6) for k, v in per_req.items()}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

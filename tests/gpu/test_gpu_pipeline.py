@@ -41,6 +41,22 @@ def test_quickstart_learns_with_the_trainer_on_gpu(tmp_path) -> None:
 
 
 @pytest.mark.gpu(1)
+def test_colocated_quickstart_with_the_trainer_on_gpu(tmp_path) -> None:
+    """engines.colocate=true, α = 0, trainer on CUDA: every step the engine releases its memory, the
+    push resumes it and sends the new weights as CUDA-IPC handles into the resumed (zeroed) weights;
+    the run must still learn and the probe must find the trainer's weights served."""
+    proc = run_tool(["launch/quickstart_cpu.py", "--out", str(tmp_path), "logging.wandb_mode=disabled",
+                     "engines.colocate=true", "async_rl.alpha=0"], timeout=900)
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    print("colocated quickstart on GPU:", json.dumps(summary))
+    assert summary["reward_last5"] > 0.6 and summary["staleness_max"] == 0, summary
+    rows = [json.loads(x) for x in open(tmp_path / "rl" / "metrics.jsonl") if x.strip()]
+    assert rows
+    for r in rows:
+        assert r["time_release"] > 0 and r["train_infer_logprob_diff"] <= 1e-3, r
+
+
+@pytest.mark.gpu(1)
 @pytest.mark.parametrize("dist_opt", [False, True], ids=["adam", "distributed_adam"])
 def test_run_checkpoint_resumes_exactly_on_gpu(tiny_models, tmp_path, dist_opt: bool) -> None:
     """Megatron distributed checkpoint on CUDA (the real synchronous save path, NCCL): save after one

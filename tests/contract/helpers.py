@@ -113,6 +113,10 @@ class StreamingGenerate:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
+    def num_chunks(self) -> int:
+        """Chunks received so far (each carries at least one new token): the request's progress."""
+        return len(self._chunks)
+
     def result(self, timeout: float = 120.0) -> dict:
         self._thread.join(timeout)
         assert not self._thread.is_alive(), "streaming request did not finish"

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_flash.rollout.engine_client import EngineClient
 from tests.contract.conftest import BACKENDS, launch_engine
-from tests.contract.helpers import teacher_logprobs
+from tests.contract.helpers import StreamingGenerate, teacher_logprobs
 
 PROMPT = [1, 8, 9, 10, 11]
 
@@ -45,21 +45,33 @@ def test_generate_parses_logprobs_and_finish(server) -> None:
 
 
 def test_abort_by_rid_and_abort_all_return_partial_outputs(server) -> None:
-    """64 long requests need ~16x the engine's KV, so they queue (FIFO) for seconds even on a fast CPU:
-    the last one is still waiting or barely started when it is aborted by rid, and the requests running
-    when abort_all lands are mid-generation. No timing race: neither abort can come after the work it
-    is meant to cut (a fixed sleep against a 240-token request did race on a faster CI machine)."""
+    """A streamed probe request starts first; 64 long requests follow and need ~16x the CPU engine's
+    KV, so they queue (FIFO) behind the first wave. Progress is read from the probe, not from a clock:
+    at 30 streamed chunks every request has reached the server and the last one is still waiting when
+    it is aborted by rid; at 60 (of 240) the first wave, probe included, is mid-generation when
+    abort_all lands — on the CPU server (waves) and on SGLang (all at once) alike. Fixed sleeps raced
+    both ways (a wave finished before the abort on a fast machine, nothing started on a loaded one)."""
     params = {"temperature": 1.0, "max_new_tokens": 240, "ignore_eos": True}
     n = 64
 
+    async def until(probe: StreamingGenerate, chunks: int) -> None:
+        deadline = asyncio.get_running_loop().time() + 120
+        while probe.num_chunks() < chunks and not probe.done():
+            assert asyncio.get_running_loop().time() < deadline, f"probe stuck at {probe.num_chunks()} chunks"
+            await asyncio.sleep(0.002)
+
     async def go():
         async with EngineClient(server.url) as c:
+            probe = StreamingGenerate(server.url, PROMPT, rid="c-probe", sampling_params=params)
+            await asyncio.to_thread(probe.wait_started)
             tasks = [asyncio.create_task(c.generate(PROMPT, params, rid=f"c-long-{i}")) for i in range(n)]
-            await asyncio.sleep(0.3)
+            await until(probe, 30)
             await c.abort(f"c-long-{n - 1}")
-            await asyncio.sleep(0.1)
+            await until(probe, 60)
             await c.abort_all()
-            return await asyncio.gather(*tasks)
+            results = await asyncio.gather(*tasks)
+            await asyncio.to_thread(probe.result)
+            return results
 
     results = run(go())
     victim = results[-1]

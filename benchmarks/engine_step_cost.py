@@ -9,6 +9,15 @@ costs: step(k) = (T(k, long) − T(k, short)) / (long − short) is one decode s
 per_request(k) = (T(k, short) − short · step(k)) / k is what each request costs besides its decode
 steps (HTTP, admission, prefill, the client), per request when k run together.
 Last line: JSON {"step_s": {k: s}, "per_request_s": {k: s}} — `tools/validate_planner.py` reads it.
+
+`--loop-k 4,8,16` adds a closed loop per k, the way a rollout feeds an engine: k workers, each sending
+its next request the moment its previous one returns, until --loop-requests requests are done, for
+both lengths. Requests then arrive one at a time, so each gets its own admission and prefill instead
+of sharing them with k − 1 others as above. From T(L) = N · (per_request + L · step / k):
+loop_per_request_s(k) = (L_long · T_short − L_short · T_long) / (N · (L_long − L_short)) and
+loop_step_s(k) = k · (T_long − T_short) / (N · (L_long − L_short)); the engine process's CPU seconds
+(from /proc) give the same two per request in CPU time (`loop_cpu_*`), which other load on the
+machine inflates less than wall time.
 """
 
 from __future__ import annotations
@@ -39,6 +48,31 @@ async def timed(url: str, k: int, length: int) -> float:
     return took
 
 
+async def closed_loop(url: str, k: int, length: int, total: int) -> float:
+    """k workers, each sending its next request as soon as its last returns, `total` requests in all."""
+    from megatron_flash.rollout.engine_client import EngineClient
+
+    params = {"temperature": 1.0, "max_new_tokens": length, "ignore_eos": True}
+    left = [total]
+
+    async def worker(client: EngineClient) -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            out = await client.generate([1, 5], params, return_logprob=True)
+            assert len(out.output_ids) == length
+
+    async with EngineClient(url) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(k)))
+        return time.perf_counter() - t0
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-layers", type=int, default=2)
@@ -47,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--short", type=int, default=8)
     p.add_argument("--long", type=int, default=72)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--loop-k", default="", help="closed-loop concurrency levels, e.g. 4,8,16 (empty: skip)")
+    p.add_argument("--loop-requests", type=int, default=256)
+    p.add_argument("--skip-batch", action="store_true", help="only the closed loop")
     args = p.parse_args(argv)
 
     from benchmarks.benchlib import env, free_ports
@@ -57,10 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run([sys.executable, os.path.join(REPO, "tools/make_tiny_model.py"), "--out", model, "--num-layers",
                     str(args.num_layers), "--hidden-size", str(args.hidden_size)], check=True, env=env(),
                    stdout=subprocess.DEVNULL)
-    ks = [int(x) for x in args.k.split(",")]
-    blocks = max(ks) * -(-(4 + args.long) // 16) + 16
+    ks = [] if args.skip_batch else [int(x) for x in args.k.split(",")]
+    loop_ks = [int(x) for x in args.loop_k.split(",") if x]
+    blocks = max(ks + loop_ks) * -(-(4 + args.long) // 16) + 16
     launcher = EngineLauncher(backend="cpu", model_path=model, num_engines=1, base_port=free_ports(1), run_dir=work,
-                              server_args={"num-blocks": blocks, "max-batch-tokens": max(256, max(ks) * 4)},
+                              server_args={"num-blocks": blocks, "max-batch-tokens": max(256, max(ks + loop_ks) * 4)},
                               env={"OMP_NUM_THREADS": "1"})
     step, per_req = {}, {}
     with launcher:
@@ -73,9 +111,29 @@ def main(argv: list[str] | None = None) -> int:
             per_req[k] = max(0.0, t[args.short] - args.short * step[k]) / k
             print(f"k={k:>3}: T({args.short})={t[args.short]:.3f} s T({args.long})={t[args.long]:.3f} s → "
                   f"step {step[k] * 1e3:.2f} ms, per request {per_req[k] * 1e3:.2f} ms", flush=True)
+        loop: dict[str, dict[str, float]] = {}
+        pid, n = launcher.pids[0], args.loop_requests
+        for k in loop_ks:
+            t, c = {}, {}
+            for L in (args.short, args.long):
+                c0 = cpu_seconds(pid)
+                t[L] = asyncio.run(closed_loop(url, k, L, n))
+                c[L] = cpu_seconds(pid) - c0
+            span = n * (args.long - args.short)
+            row = {"loop_per_request_s": (args.long * t[args.short] - args.short * t[args.long]) / span,
+                   "loop_step_s": k * (t[args.long] - t[args.short]) / span,
+                   "loop_cpu_per_request_s": (args.long * c[args.short] - args.short * c[args.long]) / span,
+                   "loop_cpu_step_s": k * (c[args.long] - c[args.short]) / span,
+                   "engine_busy_frac": (c[args.short] + c[args.long]) / (t[args.short] + t[args.long])}
+            loop[str(k)] = {key: round(v, 6) for key, v in row.items()}
+            print(f"closed loop k={k:>3}: T({args.short})={t[args.short]:.3f} s T({args.long})={t[args.long]:.3f} s "
+                  f"for {n} requests → per request {row['loop_per_request_s'] * 1e3:.2f} ms (CPU "
+                  f"{row['loop_cpu_per_request_s'] * 1e3:.2f}), step {row['loop_step_s'] * 1e3:.2f} ms (CPU "
+                  f"{row['loop_cpu_step_s'] * 1e3:.2f}), engine busy {row['engine_busy_frac']:.2f}", flush=True)
     print(json.dumps({"num_layers": args.num_layers, "hidden_size": args.hidden_size,
                       "step_s": {str(k): round(v, 6) for k, v in step.items()},
-                      "per_request_s": {str(k): round(v, 6) for k, v in per_req.items()}}))
+                      "per_request_s": {str(k): round(v, 6) for k, v in per_req.items()}, "closed_loop": loop,
+                      "load_avg_1m": os.getloadavg()[0]}))
     return 0
 
 

@@ -18,7 +18,10 @@ advance one token per decode step, whose cost depends on how many there are). Pe
 tokens served" S(t) makes each event O(log n): a request admitted at S0 with L tokens ends when S
 reaches S0 + L. The trainer takes B samples when B are buffered, trains, pushes (V += 1).
 Admission (docs/async_pipeline.md): sample j may start only when j < (V + α + 1) · B, so α = 0 is
-the synchronous schedule on the same split and the rollout never waits for anything else.
+the synchronous schedule on the same split and the rollout never waits for anything else. Expiry,
+as in the product: without redundancy a group started at v must train by step v + α, so the trainer
+waits while such a group is still generating and puts it first in the batch (a long response delays
+at most the step that is due to train it; nothing is discarded; staleness ≤ α).
 
     scheduling "queue": a request goes to the least-loaded engine the moment a slot frees
     scheduling "batch": a step's B requests start together; the next batch waits for the slowest
@@ -34,7 +37,11 @@ the synchronous schedule on the same split and the rollout never waits for anyth
     env: each sample is `num_turns` segments separated by an environment latency; "async" frees
          the slot during env wait, "batch" steps every env of the batch together (barrier per turn);
          max_inflight_groups caps groups generating at once (env instances)
-    per_request_s: engine seconds every request costs besides decoding (HTTP, prefill again)
+    per_request_s: seconds every request adds to its own time on the engine besides decoding (HTTP
+         round trip, prefill again); processor-shared like decoding, so it holds the request's slot
+         but barely slows the others where a step costs the same for 1 or k sequences
+    request_engine_s: engine-exclusive seconds per request: the engine decodes nothing meanwhile (a
+         CPU engine's HTTP handling, admission and prefill under one GIL); k requests cost k times it
     client_per_request_s: the rollout client handles requests one at a time before they start
 
 Worked example (tests/unit/test_planner.py): two stages of 1 s each, constant lengths, α ≥ 1 →
@@ -127,8 +134,14 @@ class Costs:
     """(train_gpus, tokens) -> seconds of one train step."""
     sync_s: float
     per_request_s: float = 0.0
-    """Engine seconds every request (every turn of an episode) costs besides its decode steps: HTTP
-    and scheduling, or re-prefilling the conversation on an engine without a prefix cache."""
+    """Seconds every request (every turn of an episode) adds to its own time on the engine besides its
+    decode steps (HTTP round trip, scheduling): turned into decode steps at admission, so it holds the
+    request's slot but is shared with the other sequences like decoding (latency more than load)."""
+    request_engine_s: float = 0.0
+    """Engine-exclusive seconds per request (every turn of an episode): while the engine spends them no
+    sequence advances, so unlike `per_request_s` they add up over concurrent requests (a CPU engine's
+    HTTP handling, admission and prefill under one GIL). `benchmarks/engine_step_cost.py --loop-k`
+    measures it with requests arriving one at a time, as a rollout sends them."""
     client_per_request_s: float = 0.0
     """Seconds of the rollout client (one asyncio loop: scheduler, proxy, HTTP, rewards) per request;
     requests pass it one at a time before they reach an engine, so it caps requests/s."""
@@ -201,17 +214,24 @@ class _Engine:
         self.ends: list[tuple[float, int]] = []  # (S at which the request ends, request id)
         self.slots = 0  # sequences in flight (a non-replicated group holds n)
         self.busy_s = 0.0
+        self.stall = 0.0  # engine-exclusive seconds still owed (request_engine_s): nothing decodes meanwhile
 
     def advance(self, t: float) -> None:
-        if self.slots:
-            self.S += (t - self.t) / self.step(self.slots)
-            self.busy_s += t - self.t
+        dt = t - self.t
+        if self.stall:
+            used = min(self.stall, dt)
+            self.stall -= used
+            self.busy_s += used
+            dt -= used
+        if self.slots and dt > 0:
+            self.S += dt / self.step(self.slots)
+            self.busy_s += dt
         self.t = t
 
     def next_end(self) -> float:
         if not self.ends:
             return math.inf
-        return self.t + max(0.0, self.ends[0][0] - self.S) * self.step(self.slots)
+        return self.t + self.stall + max(0.0, self.ends[0][0] - self.S) * self.step(self.slots)
 
 
 def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int, alpha: int, num_steps: int,
@@ -244,6 +264,8 @@ def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int,
     st = {"client_free": 0.0, "admitted": 0, "inflight": 0, "version": 0, "train_end": math.inf, "train_busy": 0.0, "steps": 0,
           "waves": 0, "dropped": 0, "cancelled": 0}
     cur: dict = {"gids": set(), "kept": 0}  # the open wave (batch scheduling)
+    live: set[int] = set()  # groups generating (not finished, dropped or cancelled)
+    waits = not wave and not extra_groups  # the trainer waits for groups that would expire (see take_batch)
     step_ends: list[float] = []
     staleness: list[int] = []
     mean_tokens = work.prompt_len + _mean_len(work)
@@ -261,6 +283,7 @@ def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int,
             requests.append({"segs": segs, "turn": 0, "gid": gid, "w": len(part), "live": True})
             ids.append(len(requests) - 1)
         groups.append({"v": st["version"], "left": len(ids), "keep": keep, "reqs": ids, "done": False})
+        live.add(gid)
         st["inflight"] += 1
         for rid in ids:
             to_client(rid)
@@ -314,6 +337,7 @@ def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int,
         for g in gids:
             if not groups[g]["done"]:
                 groups[g]["done"] = True
+                live.discard(g)
                 st["inflight"] -= 1
                 st["cancelled"] += 1
 
@@ -329,12 +353,14 @@ def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int,
             extra_s = costs.per_request_s + (costs.prefill_s if r["turn"] == 0 else 0.0)
             pre = extra_s / costs.decode_step(eng.slots + r["w"]) if extra_s else 0.0
             eng.slots += r["w"]
+            eng.stall += costs.request_engine_s
             heapq.heappush(eng.ends, (eng.S + r["segs"][r["turn"]][0] + pre, rid))
         queue[:] = keep
 
     def group_done(gid: int) -> None:
         g = groups[gid]
         g["done"] = True
+        live.discard(gid)
         st["inflight"] -= 1
         if not wave:
             if g["keep"]:
@@ -363,10 +389,25 @@ def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int,
             buffer[:] = [g for g in buffer if groups[g]["v"] >= floor]
             st["cancelled"] += len(stale_buffered)
             st["admitted"] -= len(stale_buffered)
-        running = {g for g in range(len(groups)) if not groups[g]["done"] and groups[g]["v"] < floor}
+        running = {g for g in live if groups[g]["v"] < floor}
         if running and not wave:
             cancel(running)
             st["admitted"] -= len(running)
+
+    def take_batch() -> list[int]:
+        """The next step's groups. Without redundancy (the product's rule, docs/async_pipeline.md) a group
+        started at v must train by step v + α: the trainer waited until none of those is still generating
+        and puts them first, then the earliest finished. With redundancy: the first gps finished."""
+        if waits:
+            floor = st["version"] - alpha
+            due = [g for g in buffer if groups[g]["v"] <= floor]
+            order = due + [g for g in buffer if groups[g]["v"] > floor]
+        else:
+            order = list(buffer)
+        batch = order[:gps]
+        chosen = set(batch)
+        buffer[:] = [g for g in buffer if g not in chosen]
+        return batch
 
     admit()
     dispatch()
@@ -416,8 +457,9 @@ def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int,
             for rid in pending_env:
                 heapq.heappush(env_heap, (release, rid))
             pending_env.clear()
-        if st["train_end"] == math.inf and len(buffer) >= gps and not (colocated and any(e.slots for e in engines)):
-            batch, buffer[:] = buffer[:gps], buffer[gps:]
+        if (st["train_end"] == math.inf and len(buffer) >= gps and not (colocated and any(e.slots for e in engines))
+                and not (waits and any(groups[g]["v"] <= st["version"] - alpha for g in live))):
+            batch = take_batch()
             staleness.extend(st["version"] - groups[g]["v"] for g in batch for _ in range(n))
             dur = costs.train_s(train_gpus, int(B * mean_tokens)) + costs.sync_s
             st["train_end"] = t + dur
@@ -441,15 +483,19 @@ def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int,
                   groups_dropped=st["dropped"], groups_cancelled=st["cancelled"])
 
 
-_MEAN_CACHE: dict[int, float] = {}
+_MEAN_CACHE: dict[int, tuple[Callable, int, float]] = {}
 
 
 def _mean_len(work: Workload) -> float:
+    """Mean response tokens per sample (all turns), from 4000 draws; cached per sampler. The entry keeps the
+    sampler alive so that its id cannot be reused by a later sampler (a stale mean would be returned)."""
     key = id(work.lengths)
-    if key not in _MEAN_CACHE:
+    hit = _MEAN_CACHE.get(key)
+    if hit is None or hit[0] is not work.lengths or hit[1] != work.num_turns:
         r = random.Random(12345)
-        _MEAN_CACHE[key] = sum(work.lengths(r) for _ in range(4000)) / 4000 * work.num_turns
-    return _MEAN_CACHE[key]
+        hit = (work.lengths, work.num_turns, sum(work.lengths(r) for _ in range(4000)) / 4000 * work.num_turns)
+        _MEAN_CACHE[key] = hit
+    return hit[2]
 
 
 # ---- length distributions -------------------------------------------------------------------------

@@ -62,7 +62,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a("--max-inflight-groups", type=int, default=0, help="agentic: env instances / group size (0 = no cap)")
     a("--decode-points", default="", help="measured decode-step seconds 'k:s,k:s,...' (replaces the model; "
                                             "benchmarks/engine_step_cost.py measures them)")
-    a("--per-request-s", type=float, default=0.0, help="engine seconds per request besides decoding")
+    a("--per-request-s", type=float, default=0.0,
+      help="seconds each request adds to its own engine time (processor-shared: holds its slot)")
+    a("--request-engine-s", type=float, default=0.0,
+      help="engine-exclusive seconds per request (adds up over concurrent requests; CPU engine: HTTP, "
+           "admission, prefill under one GIL; benchmarks/engine_step_cost.py --loop-k measures it)")
     a("--client-per-request-s", type=float, default=0.0, help="rollout client seconds per request (serial)")
     a("--mfu", type=float, default=0.4)
     a("--max-running", type=int, default=256)
@@ -128,6 +132,7 @@ def build(args: argparse.Namespace):
             raise ValueError(f"--decode-points {args.decode_points!r}: expected 'k:seconds,k:seconds,...'") from None
         costs.decode_step = planner.measured_decode(points)
     costs.per_request_s, costs.client_per_request_s = args.per_request_s, args.client_per_request_s
+    costs.request_engine_s = args.request_engine_s
     return work, costs
 
 

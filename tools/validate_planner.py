@@ -1,15 +1,28 @@
-"""Planner validation: predict the CPU benchmarks from measured stage costs, compare with what they measured.
+"""Planner validation (issue 9): predict the CPU benchmarks from measured inputs, compare with what they measured.
 
-    python tools/validate_planner.py [--steps 40] [--seeds 3]
+    python tools/validate_planner.py                      # ~1 min on the 2-core box; last line JSON
+    python tools/validate_planner.py --runs runs          # measured outputs from runs/bench_*/*/metrics.jsonl
+    python tools/validate_planner.py --paper-shape        # + speedup vs GPU count and vs length spread (7B, H100)
 
-For each benchmark the planner (megatron_flash/planner.py) gets only measured *inputs* — the CPU
-engine's decode-step cost vs running sequences, the response-length histogram the benchmark's model
-produced, the per-step train and sync seconds, and the benchmark's own settings (batch, group size,
-engines, slots per engine, α, redundancy, replication, dynamic-filter keep rate, env latency) — and
-predicts seconds per step (or the makespan); the measured *outputs* it is compared with are never
-fitted, except where a row says "fit" (one scale factor on decode cost, fitted to the α = 0 run of the
-same pair). Every number below comes from docs/benchmarks.md (where and when is in each comment).
-Last line: a JSON object with every row.
+For each benchmark the planner (megatron_flash/planner.py) gets the benchmark's own settings (batch,
+group size, engines, running requests per engine, α, redundancy, replication on/off/chunk, dynamic-filter
+keep rate, env latency and turns) and measured costs, and predicts seconds per step (env async: the
+makespan); the benchmarks' outputs are never fitted. Three cost sets:
+
+  alone        nothing fitted: the CPU engine's decode step vs running sequences measured alone
+               (benchmarks/engine_step_cost.py, session 4, quiet box), its cost per request measured in
+               a closed loop (requests arriving one at a time, as a rollout sends them; 1.5 ms), and the
+               rollout client's CPU per request (1.2 ms, /proc, async_vs_sync) as a serial client cost.
+  session 2    the same, but the decode-step curve recorded in session 2 (3.2 ms @1, 4.0 @4, 7.2 @16,
+               18 @64; taken while other jobs loaded the box, model not recorded).
+  stage time   `alone` plus ONE number per machine taken from a measured stage time: the engine seconds
+               each request costs in the product's request path, solved so that the simulated rollout
+               stage of async_vs_sync's synchronous (α = 0) run equals the measured one (0.846 s on the
+               2-core box, 0.870 s on the 16-core box). Every other row on that machine is a prediction.
+
+Measured numbers: constants below, each with where it comes from (docs/benchmarks.md); with `--runs DIR`
+the ones that have run directories (DIR/bench_async_vs_sync, bench_queue_s3, bench_pr_s3_8, bench_pr_s3:
+metrics.jsonl per run, not in git) are recomputed from them (the benchmarks' steady-state means).
 """
 
 from __future__ import annotations
@@ -20,265 +33,409 @@ import os
 import random
 import statistics
 import sys
+import time
+from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_flash import planner  # noqa: E402
 
-# CPU engine server, 1 thread, quiet CPU box (session 4): seconds of one decode step vs sequences
-# running, and what each request costs besides (HTTP, admission, prefill; ~1 ms once many run; at one
-# request its latency, 7-17 ms, is mostly waiting, not engine time). `python benchmarks/engine_step_cost.py`
-# (2 layers × 64: the model of queue_scheduling / prompt_replication / env_async) and `... --num-layers 4
-# --hidden-size 160` (async_vs_sync's model).
+# ---- measured inputs ----------------------------------------------------------------------------------
+# CPU engine server, 1 thread, quiet 2-core box (session 4): seconds of one decode step vs sequences running,
+# all k requests sent together. `OMP_NUM_THREADS=1 python benchmarks/engine_step_cost.py` (2 layers × 64: the
+# model of queue_scheduling / prompt_replication / env_async) and `... --num-layers 4 --hidden-size 160`
+# (async_vs_sync's model).
 STEP_L2_H64 = [(1, 0.000944), (2, 0.00109), (4, 0.001131), (8, 0.001552), (16, 0.001963), (32, 0.003629),
                (64, 0.007761)]
 STEP_L4_H160 = [(1, 0.001416), (4, 0.001987), (8, 0.002813), (16, 0.004081), (32, 0.008593)]
-PER_REQUEST_S = 0.001
+# The decode-step figures recorded in session 2 (benchmarks/queue_scheduling.py docstring, docs/benchmarks.md
+# "What limits each speedup"): measured at 08:40 on 2026-11-22 while other jobs kept the load at 4-9.
+STEP_SESSION2 = [(1, 0.0032), (4, 0.0040), (16, 0.0072), (64, 0.018)]
+# Engine seconds per request when requests arrive one at a time (closed loop of k workers, each sending its
+# next request when its last returns): `benchmarks/engine_step_cost.py --loop-k 4,8,16,21,32 --short 4
+# --long 24` (session 5, load 1.6-2.0 from other work, engine busy 0.93-0.97): 2 × 64 model 1.5-2.1 ms
+# (k = 4..32), 4 × 160 model 0.9-1.4 ms. One value for both.
+ENGINE_PER_REQUEST_S = 0.0015
+# Rollout client (the trainer process's asyncio loop: scheduler, proxy, HTTP, logprobs, rewards): 0.15 CPU-s
+# per 128-sample step = 1.2 ms per request, from /proc in async_vs_sync (docs/benchmarks.md, "What limits
+# each speedup here"). Modelled as a serial server in front of the engines.
+CLIENT_CPU_PER_REQUEST_S = 0.0012
 
 # Response lengths (tokens incl. the end token) the long-tail model generated: 1280 responses of
-# runs/bench_queue_s3/queue_r0/groups.jsonl (session 3); 40 = max_new_tokens (cut). Length: count.
+# runs/bench_queue_s3/queue_r0/groups.jsonl (session 3); 40 = max_new_tokens (cut). Mean 11.1; the target
+# P(k) ∝ 1/k, k ≤ 32 (planner.inv_k_lengths(32)) has mean 7.9: the model learned it loosely.
 LENGTH_HIST = {1: 13, 2: 260, 3: 145, 4: 70, 5: 68, 6: 68, 7: 45, 8: 41, 9: 43, 10: 35, 11: 30, 12: 35, 13: 35,
                14: 27, 15: 17, 16: 27, 17: 21, 18: 35, 19: 18, 20: 25, 21: 18, 22: 18, 23: 15, 24: 12, 25: 11,
                26: 10, 27: 11, 28: 13, 29: 9, 30: 10, 31: 8, 32: 5, 33: 4, 34: 2, 35: 7, 36: 7, 37: 5, 38: 2,
                39: 3, 40: 52}
 
-# Dynamic filter of queue_scheduling.py: pass rate per prompt uniform over {0, .25, .5, .75, 1}; a group of
-# 8 is kept unless all rewards are equal: keep = mean over rates of 1 - p^8 - (1-p)^8.
+# Dynamic filter of queue_scheduling.py: pass rate per prompt uniform over {0, .25, .5, .75, 1}; a group of 8
+# is kept unless all its rewards are equal: keep = mean over rates of 1 - p^8 - (1-p)^8 = 0.558.
 PASS_RATES = (0.0, 0.25, 0.5, 0.75, 1.0)
 KEEP_PROB = statistics.fmean(1 - p ** 8 - (1 - p) ** 8 for p in PASS_RATES)
 
+# ---- measured outputs (and stage times) -----------------------------------------------------------------
+# Each: steady-state means; `rounds` = per-round values (the spread between rounds is the measurement noise).
+MEASURED: dict[str, dict] = {
+    # 2-core box, quiet (session 2, 08:42; runs/bench_async_vs_sync, steps 3-15 of 3 rounds per mode):
+    # sync = rollout 0.846 + train 0.803 + sync 0.102; async train 0.888 (the rollout thread shares its core).
+    "avs2": {"sync": 1.751, "sync_rounds": [1.766, 1.719, 1.768], "async": 0.991, "async_rounds": [0.954, 1.084, 0.934],
+             "rollout": 0.846, "train": 0.803, "sync_s": 0.102, "train_async": 0.888, "sync_s_async": 0.102,
+             "response_len_mean": 10.15, "runs": "bench_async_vs_sync", "skip": 3},
+    # 16-core GPU box, GPU hidden, uncontended (session 3, docs "GPU box"): 2 rounds per mode.
+    "avs16": {"sync": 1.876, "sync_rounds": [1.903, 1.849], "async": 1.012, "async_rounds": [1.010, 1.014],
+              "rollout": 0.870, "train": 0.902, "sync_s": 0.104, "train_async": 0.902, "sync_s_async": 0.109,
+              "response_len_mean": 10.15},
+    # queue_scheduling.py defaults, session 3 09:57, quiet (runs/bench_queue_s3, steps 2-9 of 2 rounds); the
+    # batch baseline writes no metrics.jsonl (numbers from the benchmark's JSON, docs/benchmarks.md).
+    "queue": {"batch": 0.978, "batch_rounds": [], "queue": 0.983, "queue_rounds": [1.067, 0.899],
+              "no_extra": 0.918, "no_extra_rounds": [0.925, 0.911], "runs": "bench_queue_s3", "skip": 2,
+              "dirs": {"queue": "queue", "no_extra": "queue_no_extra"}},
+    # prompt_replication.py --chunk 4 --rounds 3 (8 slots per engine), session 3 10:27, load 0.6-1.7
+    # (runs/bench_pr_s3_8, steps 3-9).
+    "rep8": {"off": 0.454, "off_rounds": [0.429, 0.548, 0.384], "on": 0.376, "on_rounds": [0.404, 0.367, 0.358],
+             "chunk4": 0.391, "chunk4_rounds": [0.429, 0.401, 0.343], "runs": "bench_pr_s3_8", "skip": 3,
+             "dirs": {"off": "off", "on": "on", "chunk4": "chunked"}},
+    # ... --max-inflight 16 --chunk 4 (2 rounds), session 3 10:31 (runs/bench_pr_s3).
+    "rep16": {"off": 0.287, "off_rounds": [0.267, 0.308], "on": 0.342, "on_rounds": [0.268, 0.416],
+              "chunk4": 0.256, "chunk4_rounds": [0.259, 0.253], "runs": "bench_pr_s3", "skip": 3,
+              "dirs": {"off": "off", "on": "on", "chunk4": "chunked"}},
+    # env_async.py, 64 env instances, medians of 3 interleaved runs, quiet box (docs "Env-level async").
+    "env300": {"batch": 45.1, "async": 16.9},
+    "env100": {"batch": 25.3, "async": 13.6},
+}
 
-def lengths() -> planner.Callable:
-    return planner.empirical_lengths([k for k, c in LENGTH_HIST.items() for _ in range(c)])
+
+def read_runs(root: str) -> list[str]:
+    """Replace MEASURED numbers by the steady-state means of the run directories under `root` (where present)."""
+    used = []
+    for key, m in MEASURED.items():
+        if "runs" not in m or not os.path.isdir(os.path.join(root, m["runs"])):
+            continue
+        base = os.path.join(root, m["runs"])
+        dirs = m.get("dirs") or {"sync": "sync", "async": "async"}
+        for mode, prefix in dirs.items():
+            per_round = []
+            for sub in sorted(os.listdir(base)):
+                path = os.path.join(base, sub, "metrics.jsonl")
+                if sub.rsplit("_r", 1)[0] != prefix or not os.path.isfile(path):
+                    continue
+                with open(path) as f:
+                    rows = [json.loads(x) for x in f if x.strip()][m["skip"]:]
+                if rows:
+                    per_round.append({k: statistics.fmean(r[k] for r in rows if r.get(k) is not None)
+                                      for k in ("time_step", "time_rollout_wait", "time_train", "time_sync",
+                                                "response_len_mean") if any(r.get(k) is not None for r in rows)})
+            if not per_round:
+                continue
+            mean = {k: statistics.fmean(r[k] for r in per_round) for k in per_round[0]}
+            m[mode], m[f"{mode}_rounds"] = mean["time_step"], [r["time_step"] for r in per_round]
+            if key == "avs2" and mode == "sync":
+                m.update(rollout=mean["time_rollout_wait"], train=mean["time_train"], sync_s=mean["time_sync"],
+                         response_len_mean=mean["response_len_mean"])
+            if key == "avs2" and mode == "async":
+                m.update(train_async=mean["time_train"], sync_s_async=mean["time_sync"])
+            used.append(f"{m['runs']}/{prefix}_r* ({len(per_round)} runs)")
+    return used
 
 
-def costs(*, cap: int, train: float = 0.0, sync: float = 0.0, scale: float = 1.0,
-          per_request: float = PER_REQUEST_S, client: float = 0.0, points=STEP_L2_H64) -> planner.Costs:
-    step = planner.measured_decode(points)
-    return planner.Costs(decode_step=lambda k: scale * step(k), engine_cap=cap, prefill_s=0.0,
-                         train_s=lambda g, tokens: train, sync_s=sync, per_request_s=per_request,
-                         client_per_request_s=client)
+# ---- planner inputs --------------------------------------------------------------------------------------
+
+LENGTHS = {"mode": "measured"}  # --lengths: "measured" (LENGTH_HIST) or "inv_k" (the target P(k) ∝ 1/k, k ≤ 32)
 
 
-def sim(work, c, *, seeds: int, steps: int, **kw) -> planner.Result:
-    """Mean over seeds of the steady-state seconds per step (and makespan)."""
-    runs = [planner.simulate(work=work, costs=c, train_gpus=1, num_steps=steps, seed=s, **kw) for s in range(seeds)]
+def hist_lengths(mean: float = 0.0) -> Callable[[random.Random], int]:
+    """Sampler of the measured histogram; with `mean`, every draw scaled to that mean (stochastic rounding).
+    With --lengths inv_k: planner.inv_k_lengths(32), the distribution the warm-up taught, whatever `mean`."""
+    if LENGTHS["mode"] == "inv_k":
+        return planner.inv_k_lengths(32)
+    data = [k for k, c in LENGTH_HIST.items() for _ in range(c)]
+    f = mean / statistics.fmean(data) if mean else 1.0
+
+    def draw(rng: random.Random) -> int:
+        x = data[rng.randrange(len(data))] * f
+        return max(1, int(x) + (rng.random() < x - int(x)))
+    return draw
+
+
+class CostSet:
+    def __init__(self, name: str, *, step_small=STEP_L2_H64, step_large=STEP_L4_H160, request_s=ENGINE_PER_REQUEST_S,
+                 client_s=CLIENT_CPU_PER_REQUEST_S) -> None:
+        self.name, self.request_s, self.client_s = name, request_s, client_s
+        self.step = {"L2H64": planner.measured_decode(step_small), "L4H160": planner.measured_decode(step_large)}
+
+    def costs(self, model: str, *, cap: int, train: float = 0.0, sync: float = 0.0,
+              request_s: float | None = None) -> planner.Costs:
+        return planner.Costs(decode_step=self.step[model], engine_cap=cap, prefill_s=0.0,
+                             train_s=lambda g, tokens: train, sync_s=sync,
+                             request_engine_s=self.request_s if request_s is None else request_s,
+                             client_per_request_s=self.client_s)
+
+
+def sim(work: planner.Workload, costs: planner.Costs, *, seeds: int, steps: int, **kw) -> planner.Result:
+    """Mean over seeds of the steady-state seconds per step and of the makespan."""
+    runs = [planner.simulate(work=work, costs=costs, train_gpus=1, num_steps=steps, seed=s, **kw) for s in range(seeds)]
     out = runs[0]
     out.sec_per_step = statistics.fmean(r.sec_per_step for r in runs)
     out.total_s = statistics.fmean(r.total_s for r in runs)
     return out
 
 
-def fit_scale(work, *, cap: int, rollout_s: float, train: float, sync: float, seeds: int, steps: int, points,
-              client: float, **kw) -> float:
-    """Decode scale that makes the simulated α = 0 generation time equal the measured one (the client
-    cost is not scaled: the approximation is that it does not bind at one engine)."""
-    base = sim(work, costs(cap=cap, train=train, sync=sync, points=points, client=client), seeds=seeds,
-               steps=steps, alpha=0, **kw)
-    return rollout_s / max(base.sec_per_step - train - sync, 1e-9)
+# ---- benchmarks ------------------------------------------------------------------------------------------
+
+def avs_work(m: dict) -> planner.Workload:
+    """benchmarks/async_vs_sync.py: 16 prompts × 8 per step, countdown prompts, lengths of the long-tail model
+    (its runs' mean response length; the histogram is the 2 × 64 model's)."""
+    return planner.Workload(batch_size=128, group_size=8, prompt_len=8, lengths=hist_lengths(m["response_len_mean"]))
 
 
-def row(name: str, measured: float, predicted: float, **extra) -> dict:
-    err = (predicted - measured) / measured
-    return {"benchmark": name, "measured": round(measured, 3), "predicted": round(predicted, 3),
-            "error": round(err, 3), **extra}
+AVS_CAP = 21  # one engine; configs/quickstart_cpu.yaml's 64 KV blocks of 16 tokens hold 21 requests of ≤ 48 tokens
 
 
-def async_vs_sync(label: str, *, rollout: float, train: float, sync: float, measured_sync: float,
-                  measured_async: float, train_async: float, sync_async: float, seeds: int, steps: int,
-                  fit: bool, cal: Cal) -> list[dict]:
-    """benchmarks/async_vs_sync.py: B = 16 × 8, one engine (64 KV blocks of 16 → 21 requests), α = 2,
-    the 4 × 160 model. `fit`: the engine ran on another machine than the step costs were measured on,
-    so one decode scale is fitted to its α = 0 generation time (that row then shows 0 error)."""
-    work = planner.Workload(batch_size=128, group_size=8, prompt_len=8, lengths=lengths())
-    kw = dict(num_engines=1, seeds=seeds, steps=steps)
-    scale = 1.0
-    for _ in range(4 if fit else 0):  # fixed point: the client's cost is not scaled with decoding
-        scale *= fit_scale(work, cap=21, rollout_s=rollout, train=train, sync=sync, client=cal.client,
-                           points=[(k, scale * v) for k, v in STEP_L4_H160], **kw)
-    c0 = costs(cap=21, train=train, sync=sync, scale=scale, points=STEP_L4_H160, **cal.kw())
-    c2 = costs(cap=21, train=train_async, sync=sync_async, scale=scale, points=STEP_L4_H160, **cal.kw())
-    s0 = sim(work, c0, alpha=0, **kw).sec_per_step
-    a2 = sim(work, c0, alpha=2, **kw).sec_per_step
-    a2b = sim(work, c2, alpha=2, **kw).sec_per_step
-    how = "decode scale fitted to its α=0 generation" if fit else "not fitted"
-    return [row(f"{label}: sync s/step ({how})", measured_sync, s0),
-            row(f"{label}: async α=2 s/step from the α=0 stage times", measured_async, a2),
-            row(f"{label}: async α=2 s/step with the α=2 run's train time", measured_async, a2b),
-            row(f"{label}: speedup", measured_sync / measured_async, s0 / a2b)]
+def fit_request_cost(m: dict, cs: CostSet, *, seeds: int, steps: int) -> float:
+    """Engine seconds per request that make the simulated α = 0 rollout stage of async_vs_sync equal the
+    measured one (secant on a nearly linear function)."""
+    work = avs_work(m)
+
+    def rollout(p: float) -> float:
+        c = cs.costs("L4H160", cap=AVS_CAP, train=m["train"], sync=m["sync_s"], request_s=p)
+        return sim(work, c, alpha=0, num_engines=1, seeds=seeds, steps=steps).sec_per_step - m["train"] - m["sync_s"]
+
+    p0, p1 = 0.0, 0.004
+    r0, r1 = rollout(p0), rollout(p1)
+    for _ in range(4):
+        if abs(r1 - r0) < 1e-12:
+            break
+        p0, p1, r0 = p1, max(0.0, p1 + (m["rollout"] - r1) * (p1 - p0) / (r1 - r0)), r1
+        r1 = rollout(p1)
+        if abs(r1 - m["rollout"]) < 1e-3 * m["rollout"]:
+            break
+    return p1
 
 
-def queue_scheduling(*, seeds: int, steps: int, cal: Cal) -> list[dict]:
-    """benchmarks/queue_scheduling.py defaults: 16 kept groups × 8 per step, 2 engines × 4 running, α = 0,
-    rollout-only (no training), nonzero_std filter; batch = EngineClient rounds, queue = the product."""
-    work = planner.Workload(batch_size=128, group_size=8, prompt_len=4, lengths=lengths(), keep_prob=KEEP_PROB)
-    c = costs(cap=4, train=0.005, **cal.kw())
-    kw = dict(num_engines=2, alpha=0, seeds=seeds, steps=steps)
-    batch = sim(work, c, scheduling="batch", **kw).sec_per_step
-    queue = sim(work, c, extra_groups=4, **kw).sec_per_step
-    no_extra = sim(work, c, **kw).sec_per_step
-    # measured, session 3 09:57, quiet box (docs/benchmarks.md): batch 0.978, queue 0.983, no extra 0.918
-    return [row("queue scheduling: batch s/step", 0.978, batch),
-            row("queue scheduling: queue + 4 redundant s/step", 0.983, queue),
-            row("queue scheduling: queue, no redundancy s/step", 0.918, no_extra),
-            row("queue scheduling: speedup (queue + redundant)", 0.978 / 0.983, batch / queue),
-            row("queue scheduling: speedup (no redundancy)", 0.978 / 0.918, batch / no_extra)]
+def row(bench: str, what: str, command: str, measured: float, rounds: list[float], preds: dict[str, float],
+        fit: tuple[str, ...] = ()) -> dict:
+    """One comparison; `fit` names the cost sets for which this measurement was an input (not a prediction)."""
+    return {"benchmark": bench, "what": what, "command": command, "measured": round(measured, 4),
+            "rounds": [round(x, 3) for x in rounds], "fit": [c for c in fit if c in preds],
+            "predicted": {k: round(v, 4) for k, v in preds.items()},
+            "error": {k: round((v - measured) / measured, 4) for k, v in preds.items()}}
 
 
-REPLICATION = {"off": 0.454, "on": 0.376, "chunk4": 0.391}
+def async_vs_sync(key: str, sets: list[CostSet], req: dict[str, float], *, seeds: int, steps: int) -> list[dict]:
+    """One engine (21 running), α = 2 vs α = 0, measured train and sync seconds per step."""
+    m = MEASURED[key]
+    machine = "2-core box" if key == "avs2" else "16-core box"
+    cmd = ("python benchmarks/async_vs_sync.py --rounds 3" if key == "avs2" else
+           "CUDA_VISIBLE_DEVICES= python benchmarks/async_vs_sync.py --rounds 2 (GPU box)")
+    work = avs_work(m)
+    s0, a2, a2b = {}, {}, {}
+    for cs in sets:
+        p = req.get(cs.name)
+        c0 = cs.costs("L4H160", cap=AVS_CAP, train=m["train"], sync=m["sync_s"], request_s=p)
+        c2 = cs.costs("L4H160", cap=AVS_CAP, train=m["train_async"], sync=m["sync_s_async"], request_s=p)
+        kw = dict(num_engines=1, seeds=seeds, steps=steps)
+        s0[cs.name] = sim(work, c0, alpha=0, **kw).sec_per_step
+        a2[cs.name] = sim(work, c0, alpha=2, **kw).sec_per_step
+        a2b[cs.name] = sim(work, c2, alpha=2, **kw).sec_per_step
+    bench = f"async vs sync, {machine}"
+    return [row(bench, "sync (α=0) s/step", cmd, m["sync"], m["sync_rounds"], s0, fit=("stage time",)),
+            row(bench, "async (α=2) s/step, α=0 stage times", cmd, m["async"], m["async_rounds"], a2),
+            row(bench, "async (α=2) s/step, α=2 run's train/sync times", cmd, m["async"], m["async_rounds"], a2b),
+            row(bench, "speedup", cmd, m["sync"] / m["async"], [], {k: s0[k] / a2b[k] for k in s0})]
 
 
-def replication_times(cal: "Cal", *, seeds: int, steps: int) -> dict[str, float]:
-    work = planner.Workload(batch_size=128, group_size=8, prompt_len=4, lengths=lengths())
-    c = costs(cap=8, train=0.006, **cal.kw())
-    kw = dict(num_engines=2, alpha=2, seeds=seeds, steps=steps)
-    return {"off": sim(work, c, prompt_replication=False, **kw).sec_per_step,
-            "on": sim(work, c, **kw).sec_per_step,
-            "chunk4": sim(work, c, replication_chunk=4, **kw).sec_per_step}
+def queue_scheduling(sets: list[CostSet], req: dict[str, float], *, seeds: int, steps: int) -> list[dict]:
+    """queue_scheduling.py defaults: 16 kept groups × 8 per step, 2 engines × 4 running, α = 0, rollout only,
+    nonzero_std filter (keep 0.558); batch = rounds of every missing group, queue = the product with
+    extra_prompts=4, no_extra = extra_prompts=0."""
+    m = MEASURED["queue"]
+    work = planner.Workload(batch_size=128, group_size=8, prompt_len=2, lengths=hist_lengths(), keep_prob=KEEP_PROB)
+    out: dict[str, dict[str, float]] = {"batch": {}, "queue": {}, "no_extra": {}}
+    for cs in sets:
+        c = cs.costs("L2H64", cap=4, train=0.004, request_s=req.get(cs.name))
+        kw = dict(num_engines=2, alpha=0, seeds=seeds, steps=steps)
+        out["batch"][cs.name] = sim(work, c, scheduling="batch", **kw).sec_per_step
+        out["queue"][cs.name] = sim(work, c, extra_groups=4, **kw).sec_per_step
+        out["no_extra"][cs.name] = sim(work, c, **kw).sec_per_step
+    cmd = "python benchmarks/queue_scheduling.py --out runs/bench_queue_s3"
+    b = "queue scheduling (2 engines × 4 running, α=0, filter)"
+    return [row(b, "batch s/step", cmd, m["batch"], m["batch_rounds"], out["batch"]),
+            row(b, "queue + 4 redundant s/step", cmd, m["queue"], m["queue_rounds"], out["queue"]),
+            row(b, "queue, no redundancy s/step", cmd, m["no_extra"], m["no_extra_rounds"], out["no_extra"]),
+            row(b, "speedup queue + redundant", cmd, m["batch"] / m["queue"], [],
+                {k: out["batch"][k] / out["queue"][k] for k in out["batch"]}),
+            row(b, "speedup queue, no redundancy", cmd, m["batch"] / m["no_extra"], [],
+                {k: out["batch"][k] / out["no_extra"][k] for k in out["batch"]})]
 
 
-class Cal:
-    """Cost settings shared by the CPU benchmarks: engine-alone measurements plus, once calibrated,
-    the rollout client's seconds per request."""
-
-    def __init__(self, client: float = 0.0) -> None:
-        self.client = client
-
-    def kw(self) -> dict:
-        return {"client": self.client}
-
-
-def calibrate(*, seeds: int, steps: int) -> Cal:
-    """The one quantity not measured alone: the rollout client's seconds per request (the trainer
-    process's asyncio loop: scheduler, proxy, HTTP, logprobs, rewards). Bisection so that
-    prompt_replication's `on` mode (one request per response, 128 per step) takes its measured time."""
-    lo, hi = 0.0, 0.02
-    for _ in range(25):
-        mid = (lo + hi) / 2
-        if replication_times(Cal(mid), seeds=seeds, steps=steps)["on"] < REPLICATION["on"]:
-            lo = mid
-        else:
-            hi = mid
-    return Cal((lo + hi) / 2)
+def prompt_replication(slots: int, sets: list[CostSet], req: dict[str, float], *, seeds: int, steps: int) -> list[dict]:
+    """prompt_replication.py: 16 × 8 per step, 2 engines × `slots` running, α = 2, rollout only; off = one
+    request of n = 8 per group, on = 8 requests, chunk 4 = 2 requests of 4."""
+    m = MEASURED[f"rep{slots}"]
+    work = planner.Workload(batch_size=128, group_size=8, prompt_len=2, lengths=hist_lengths())
+    out: dict[str, dict[str, float]] = {"off": {}, "on": {}, "chunk4": {}}
+    for cs in sets:
+        c = cs.costs("L2H64", cap=slots, train=0.006, request_s=req.get(cs.name))
+        kw = dict(num_engines=2, alpha=2, seeds=seeds, steps=steps)
+        out["off"][cs.name] = sim(work, c, prompt_replication=False, **kw).sec_per_step
+        out["on"][cs.name] = sim(work, c, **kw).sec_per_step
+        out["chunk4"][cs.name] = sim(work, c, replication_chunk=4, **kw).sec_per_step
+    cmd = ("python benchmarks/prompt_replication.py --chunk 4 --rounds 3" if slots == 8 else
+           "python benchmarks/prompt_replication.py --max-inflight 16 --chunk 4")
+    b = f"prompt replication ({slots} slots × 2 engines, α=2)"
+    rows = [row(b, f"{mode} s/step", cmd, m[mode], m[f"{mode}_rounds"], out[mode]) for mode in ("off", "on", "chunk4")]
+    for mode in ("on", "chunk4"):
+        rows.append(row(b, f"speedup {mode} vs off", cmd, m["off"] / m[mode], [],
+                        {k: out["off"][k] / out[mode][k] for k in out["off"]}))
+    return rows
 
 
-def prompt_replication(*, seeds: int, steps: int, cal: Cal, label: str) -> list[dict]:
-    """benchmarks/prompt_replication.py (session 3, `--chunk 4`, runs/bench_pr_s3_8): 16 × 8 per step,
-    2 engines × 8 slots, α = 2, rollout-only. off = one request of 8 per group, on = 8 requests,
-    chunked = 2 requests of 4. Measured s/step (means of steps 3–9 over 3 rounds): off 0.454, on 0.376,
-    chunked 0.391."""
-    t = replication_times(cal, seeds=seeds, steps=steps)
-    m = REPLICATION
-    return [row("prompt replication: off s/step", m["off"], t["off"]),
-            row(f"prompt replication: on s/step{label}", m["on"], t["on"]),
-            row("prompt replication: chunk 4 s/step", m["chunk4"], t["chunk4"]),
-            row("prompt replication: speedup on/off", m["off"] / m["on"], t["off"] / t["on"]),
-            row("prompt replication: speedup chunk 4", m["off"] / m["chunk4"], t["off"] / t["chunk4"])]
-
-
-def env_async(*, seeds: int, cal: Cal) -> list[dict]:
-    """benchmarks/env_async.py, 64 env instances (16 groups of 4 in flight), 64 groups, 8 turns of 4
-    tokens, step latency normal(μ, σ = μ) clipped at 0, μ = 300 ms; one engine. Measured makespan
-    (medians of 3, quiet box): batch 45.1 s, async 16.9 s (2.67×); μ = 100 ms: 25.3 / 13.6 s (1.86×)."""
-    out = []
-    for mu, m_batch, m_async in ((0.3, 45.1, 16.9), (0.1, 25.3, 13.6)):
+def env_async(sets: list[CostSet], req: dict[str, float], *, seeds: int) -> list[dict]:
+    """env_async.py defaults: 64 groups of 4 episodes, 16 groups (64 env instances) at a time, 8 turns of 4
+    tokens, env latency normal(μ, σ = μ) clipped at 0, one engine; batch = lockstep turns of 16 groups,
+    async = each episode its own task, a group starts when one lands. Makespan of the 64 groups."""
+    rows = []
+    for mu in (0.3, 0.1):
+        m = MEASURED[f"env{int(mu * 1000)}"]
         work = planner.Workload(batch_size=64, group_size=4, prompt_len=8, lengths=lambda rng: 4, num_turns=8,
-                                env_latency=lambda rng, m=mu: max(0.0, rng.gauss(m, m)), max_inflight_groups=16)
-        c = costs(cap=64, **cal.kw())
-        kw = dict(num_engines=1, alpha=100, seeds=seeds, steps=4)
-        batch = sim(work, c, scheduling="batch", env_mode="batch", **kw).total_s
-        asy = sim(work, c, **kw).total_s
-        out += [row(f"env async μ=σ={mu * 1e3:.0f} ms: batch makespan s", m_batch, batch),
-                row(f"env async μ=σ={mu * 1e3:.0f} ms: async makespan s", m_async, asy),
-                row(f"env async μ=σ={mu * 1e3:.0f} ms: speedup", m_batch / m_async, batch / asy)]
+                                env_latency=lambda rng, m_=mu: max(0.0, rng.gauss(m_, m_)), max_inflight_groups=16)
+        out: dict[str, dict[str, float]] = {"batch": {}, "async": {}}
+        for cs in sets:
+            c = cs.costs("L2H64", cap=64, request_s=req.get(cs.name))
+            kw = dict(num_engines=1, alpha=100, seeds=seeds, steps=4)
+            out["batch"][cs.name] = sim(work, c, scheduling="batch", env_mode="batch", **kw).total_s
+            out["async"][cs.name] = sim(work, c, **kw).total_s
+        cmd = f"python benchmarks/env_async.py --mu-ms {int(mu * 1000)} --repeats 3"
+        b = f"env async (64 instances, 8 turns, μ=σ={int(mu * 1000)} ms)"
+        rows += [row(b, "batch makespan s", cmd, m["batch"], [], out["batch"]),
+                 row(b, "async makespan s", cmd, m["async"], [], out["async"]),
+                 row(b, "speedup", cmd, m["batch"] / m["async"], [],
+                     {k: out["batch"][k] / out["async"][k] for k in out["batch"]})]
+    return rows
+
+
+# ---- paper shape -----------------------------------------------------------------------------------------
+
+def paper_shape(*, steps: int, seeds: int, gpus: list[int], sigmas: list[float], batch: int, max_len: int,
+                len_mean: float, alpha: int, sigma_gpus: int) -> dict:
+    """Model only: 7B (28 layers, 4 KV heads), H100 table, lognormal lengths, α = `alpha`. For each total GPU
+    count the best train/rollout split (train GPUs in steps of G/8) vs synchronous colocated training on all
+    G GPUs; then at `sigma_gpus` GPUs the same vs the length spread σ."""
+    model = planner.ModelSpec(num_params=7e9, num_layers=28, hidden_size=3584, num_kv_heads=4, head_dim=128)
+    gpu = planner.GPUSpec.from_name("H100")
+
+    def best(total: int, sigma: float) -> dict:
+        work = planner.Workload(batch_size=batch, group_size=8, prompt_len=512,
+                                lengths=planner.lognormal_lengths(len_mean, sigma, max_len))
+        mean = planner._mean_len(work)
+        costs = planner.Costs.from_models(model=model, gpu=gpu, engine_tp=1, mean_ctx=512 + mean / 2,
+                                          max_ctx=512 + max_len, prompt_len=512)
+        run = lambda **kw: statistics.fmean(planner.simulate(work=work, costs=costs, num_steps=steps, seed=s,  # noqa: E731
+                                                             **kw).sec_per_step for s in range(seeds))
+        base = run(num_engines=total, train_gpus=total, alpha=0, colocated=True)
+        unit = max(1, total // 8)
+        rows = [(base / run(num_engines=total - t, train_gpus=t, alpha=alpha), t) for t in range(unit, total, unit)]
+        sp, t = max(rows)
+        return {"speedup": round(sp, 3), "train_gpus": t, "rollout_gpus": total - t, "sync_s_per_step": round(base, 2),
+                "mean_len": round(mean, 1)}
+
+    out: dict = {"vs_gpus": {}, "vs_sigma": {}}
+    for g in gpus:
+        out["vs_gpus"][g] = best(g, 1.0)
+        print(f"  {g:>3} GPUs, σ = 1.0: {out['vs_gpus'][g]}", flush=True)
+    for sg in sigmas:
+        out["vs_sigma"][sg] = best(sigma_gpus, sg)
+        print(f"  {sigma_gpus} GPUs, σ = {sg}: {out['vs_sigma'][sg]}", flush=True)
     return out
 
 
-def _plan_resources():
-    import importlib.util
+# ---- main ------------------------------------------------------------------------------------------------
 
-    spec = importlib.util.spec_from_file_location("plan_resources", os.path.join(os.path.dirname(__file__),
-                                                                                 "plan_resources.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def validate(*, seeds: int, steps: int, log: Callable[[str], None] = print) -> dict:
+    alone = CostSet("alone")
+    s2 = CostSet("session 2", step_small=STEP_SESSION2, step_large=STEP_SESSION2)
+    fitted = CostSet("stage time")
+    req = {"stage time": fit_request_cost(MEASURED["avs2"], alone, seeds=seeds, steps=steps)}
+    req16 = {"stage time": fit_request_cost(MEASURED["avs16"], alone, seeds=seeds, steps=steps)}
+    log(f"engine seconds per request solved from the α = 0 rollout stage: 2-core box {req['stage time'] * 1e3:.2f} ms, "
+        f"16-core box {req16['stage time'] * 1e3:.2f} ms (alone, closed loop: {ENGINE_PER_REQUEST_S * 1e3:.1f} ms)")
+    sets = [alone, s2, fitted]
+    rows = async_vs_sync("avs2", sets, req, seeds=seeds, steps=steps)
+    rows += queue_scheduling(sets, req, seeds=seeds, steps=steps)
+    rows += prompt_replication(8, sets, req, seeds=seeds, steps=steps)
+    rows += prompt_replication(16, sets, req, seeds=seeds, steps=steps)
+    rows += env_async(sets, req, seeds=seeds)
+    rows += async_vs_sync("avs16", [alone, fitted], req16, seeds=seeds, steps=steps)
+    return {"rows": rows, "request_engine_s": {"2-core": round(req["stage time"], 6),
+                                               "16-core": round(req16["stage time"], 6)}}
 
 
-def paper_shape(*, steps: int, gpus: list[int], sigmas: list[float], batch: int) -> dict:
-    """Model only (7B, H100 table, lognormal lengths mean 2000 ≤ 8192, α = 2): the best split's speedup
-    over synchronous colocated training as the GPU count grows (σ = 1) and as the length spread grows
-    (40 GPUs)."""
-    pr = _plan_resources()
-
-    def best_split(total: int, sigma: float, unit: int, label: str) -> dict:
-        args = pr.parse(["--total-gpus", str(total), "--batch-size", str(batch), "--len-mean", "2000", "--max-len",
-                         "8192", "--len-sigma", str(sigma), "--steps", str(steps), "--train-unit", str(unit)])
-        best = pr.evaluate(args, *pr.build(args))["best"]
-        print(f"  {label}: best {best['train_gpus']} train / {best['rollout_gpus']} rollout, "
-              f"{best['speedup']:.2f}× over sync colocated", flush=True)
-        return {"speedup": round(best["speedup"], 3), "train_gpus": best["train_gpus"],
-                "rollout_gpus": best["rollout_gpus"]}
-
-    out: dict = {"vs_gpus": {g: best_split(g, 1.0, max(1, g // 8), f"{g:>3} GPUs") for g in gpus}}
-    out["vs_sigma"] = {sg: best_split(40, sg, 4, f"σ = {sg:>4}") for sg in sigmas}
-    return out
+def summary(rows: list[dict], cost: str) -> dict:
+    held = [r for r in rows if cost in r["error"] and cost not in r["fit"]]
+    within = [r for r in held if abs(r["error"][cost]) <= 0.15]
+    return {"held_out": len(held), "within_15pct": len(within),
+            "max_abs_error": round(max(abs(r["error"][cost]) for r in held), 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--lengths", choices=("measured", "inv_k"), default="measured",
+                   help="response lengths: the long-tail model's measured histogram, or P(k) ∝ 1/k, k ≤ 32")
+    p.add_argument("--runs", default="", help="directory holding bench_* run directories (e.g. runs)")
     p.add_argument("--paper-shape", action="store_true", help="also sweep GPU count and length spread (model only)")
-    p.add_argument("--gpus", default="8,16,24,40,64")
-    p.add_argument("--sigmas", default="0.25,0.5,1.0,1.5")
-    p.add_argument("--sweep-batch", type=int, default=1024)
+    p.add_argument("--gpus", default="8,16,24,32,40,64")
+    p.add_argument("--sigmas", default="0.25,0.5,0.75,1.0,1.25,1.5")
+    p.add_argument("--sigma-gpus", type=int, default=40)
+    p.add_argument("--sweep-batch", type=int, default=512)
+    p.add_argument("--sweep-len-mean", type=float, default=2000)
+    p.add_argument("--sweep-max-len", type=int, default=16384)
+    p.add_argument("--sweep-steps", type=int, default=20)
+    p.add_argument("--sweep-seeds", type=int, default=2)
+    p.add_argument("--alpha", type=int, default=2, help="α of the paper-shape sweep")
     args = p.parse_args(argv)
     random.seed(0)
-    rows: list[dict] = []
-    kw = dict(seeds=args.seeds, steps=args.steps)
-    alone = Cal()
-    cal = calibrate(**kw)
-    print(f"rollout client, calibrated on prompt replication `on`: {cal.client * 1e3:.2f} ms per request")
-    for name, c, label in (("engine-alone costs", alone, ""), ("+ rollout client cost (calibrated)", cal,
-                                                                " [calibration]")):
-        part: list[dict] = []
-        # 2-core box, quiet (session 2 08:42, runs/bench_async_vs_sync, means of steps 3-15 over 3 rounds):
-        # sync 1.751 = rollout 0.846 + train 0.803 + sync 0.102; async 0.991 with train 0.888 (the rollout
-        # thread shares the trainer's core) and sync 0.102.
-        part += async_vs_sync("async vs sync, 2 cores", rollout=0.846, train=0.803, sync=0.102, measured_sync=1.751,
-                              measured_async=0.991, train_async=0.888, sync_async=0.102, fit=False, cal=c, **kw)
-        part += queue_scheduling(cal=c, **kw)
-        part += prompt_replication(cal=c, label=label, **kw)
-        part += env_async(seeds=args.seeds, cal=c)
-        for r in part:
-            r["costs"] = name
-        rows += part
-    # 16-core GPU box, GPU hidden, uncontended (session 3, docs "GPU box"): sync 1.876 = rollout 0.870 +
-    # train 0.902 + sync 0.104; async 1.012 with train 0.902, sync 0.104. Another machine: decode fitted.
-    part = async_vs_sync("async vs sync, 16 cores", rollout=0.870, train=0.902, sync=0.104, measured_sync=1.876,
-                         measured_async=1.012, train_async=0.902, sync_async=0.104, fit=True, cal=cal, **kw)
-    for r in part:
-        r["costs"] = "fitted (other machine)"
-    rows += part
-    width = max(len(r["benchmark"]) for r in rows)
+    LENGTHS["mode"] = args.lengths
+    t0 = time.time()
+    sources = read_runs(args.runs) if args.runs else []
+    print("measured outputs: " + ("run directories " + ", ".join(sources) if sources else
+                                  "constants recorded in docs/benchmarks.md (no --runs)"))
+    out = validate(seeds=args.seeds, steps=args.steps)
+    rows = out["rows"]
+    costs = ["alone", "session 2", "stage time"]
+    head = f"  {'':<48} {'measured':>8} {'rounds':>11} " + " ".join(f"{c:>16}" for c in costs)
     last = None
     for r in rows:
-        if r["costs"] != last:
-            last = r["costs"]
-            print(f"\n{last}\n{'benchmark':<{width}} {'measured':>9} {'predicted':>9} {'error':>7}")
-        print(f"{r['benchmark']:<{width}} {r['measured']:>9.3f} {r['predicted']:>9.3f} {r['error']:>+7.1%}")
-    held_out = [r for r in rows if r["costs"] != "engine-alone costs" and "[calibration]" not in r["benchmark"]
-                and "fitted to" not in r["benchmark"] and "speedup" not in r["benchmark"]]
-    within = sum(abs(r["error"]) <= 0.15 for r in held_out)
-    print(f"\ncalibrated / fitted costs: {within} of {len(held_out)} predicted times (not used for calibration) "
-          f"within ±15 %")
+        if r["benchmark"] != last:
+            last = r["benchmark"]
+            print(f"\n{last}: {r['command']}\n{head}")
+        rng = f"{min(r['rounds']):.3f}-{max(r['rounds']):.3f}" if r["rounds"] else ""
+        cells = []
+        for c in costs:
+            if c not in r["predicted"]:
+                cells.append(f"{'':>16}")
+                continue
+            tag = "fit" if c in r["fit"] else f"{r['error'][c]:+.0%}"
+            cells.append(f"{r['predicted'][c]:>9.3f} {tag:>6}")
+        print(f"  {r['what']:<48} {r['measured']:>8.3f} {rng:>11} " + " ".join(cells))
+    print()
+    summ = {c: summary(rows, c) for c in costs}
+    for c in costs:
+        s = summ[c]
+        print(f"{c:>10}: {s['within_15pct']} of {s['held_out']} predictions within ±15 %, largest error "
+              f"{s['max_abs_error']:.0%}")
     shape = None
     if args.paper_shape:
-        print("paper shape (7B on H100, lognormal lengths mean 2000, α = 2):")
-        shape = paper_shape(steps=min(args.steps, 15), gpus=[int(x) for x in args.gpus.split(",")],
-                            sigmas=[float(x) for x in args.sigmas.split(",")], batch=args.sweep_batch)
-    print(json.dumps({"rows": rows, "within_15pct": within, "held_out": len(held_out),
-                      "calibration": {"client_per_request_s": round(cal.client, 6)},
-                      "keep_prob": round(KEEP_PROB, 4),
+        print(f"\npaper shape: 7B on H100, lognormal lengths mean {args.sweep_len_mean:.0f} (≤ {args.sweep_max_len}), "
+              f"B = {args.sweep_batch}, α = {args.alpha}; best split vs synchronous colocated", flush=True)
+        shape = paper_shape(steps=args.sweep_steps, seeds=args.sweep_seeds, gpus=[int(x) for x in args.gpus.split(",")],
+                            sigmas=[float(x) for x in args.sigmas.split(",")], batch=args.sweep_batch,
+                            max_len=args.sweep_max_len, len_mean=args.sweep_len_mean, alpha=args.alpha,
+                            sigma_gpus=args.sigma_gpus)
+    print(f"({time.time() - t0:.0f} s)")
+    print(json.dumps({"rows": rows, "summary": summ, "request_engine_s": out["request_engine_s"],
+                      "keep_prob": round(KEEP_PROB, 4), "lengths": args.lengths, "sources": sources,
                       "paper_shape": shape}))
     return 0
 

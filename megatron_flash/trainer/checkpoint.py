@@ -80,6 +80,32 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+_FORK_HOOK = False
+
+
+def _forked_children_die_with_parent() -> None:
+    """Megatron writes checkpoints from processes it forks off the trainer; a trainer killed with -9
+    mid-save left them orphaned for ever (found by the resume test). Every child forked from here on
+    asks Linux for SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG); a no-op without prctl."""
+    global _FORK_HOOK
+    if _FORK_HOOK:
+        return
+    _FORK_HOOK = True
+
+    def in_child() -> None:
+        try:
+            import ctypes
+            import signal
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() == 1:  # the parent died before the signal was armed
+            os._exit(1)
+
+    os.register_at_fork(after_in_child=in_child)
+
+
 def save_dist_checkpoint(sharded_state_dict: dict, path: str) -> None:
     """`dist_checkpointing.save` in torch_dist format, without its CUDA-only staging step.
 
@@ -99,6 +125,7 @@ def save_dist_checkpoint(sharded_state_dict: dict, path: str) -> None:
     # extra process. (A multiprocessing.Queue does not: its put() hands the item to a feeder thread,
     # and Megatron's get_nowait() right after can find it empty — a flaky "results_queue should not
     # be empty" that a resume test hit once.)
+    _forked_children_die_with_parent()
     if not isinstance(getattr(filesystem_async, "_results_queue", None), queue.Queue):
         filesystem_async._results_queue = queue.Queue()
     request = dist_checkpointing.save(sharded_state_dict, path, async_sharded_save=True)

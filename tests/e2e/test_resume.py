@@ -60,6 +60,19 @@ def assert_no_orphan(port: int) -> None:
     assert not alive, f"the engine on port {port} outlived its trainer"
 
 
+def assert_no_process_of(run_dir: str, grace_s: float = 10.0) -> None:
+    """No process whose command line names this run is left (the kernel's parent-death signal takes
+    a moment to be delivered and acted on, hence the short grace)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        left = subprocess.run(["pgrep", "-af", run_dir], capture_output=True, text=True).stdout.strip()
+        left = "\n".join(x for x in left.splitlines() if "pgrep" not in x)
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not left, f"processes of the killed run are still alive:\n{left}"
+
+
 def test_kill_minus_nine_and_resume_accounts_for_every_prompt(tiny_models, tmp_path) -> None:
     run_dir = str(tmp_path / "run")
     ledger = os.path.join(run_dir, "trained_prompts.jsonl")
@@ -81,6 +94,7 @@ def test_kill_minus_nine_and_resume_accounts_for_every_prompt(tiny_models, tmp_p
                 kills += 1
             proc.wait(60)
             assert_no_orphan(port)
+            assert_no_process_of(run_dir)  # e.g. checkpoint writers forked by the killed trainer
             continue
         assert proc.wait(300) == 0, open(log_path).read()[-3000:]
         assert_no_orphan(port)

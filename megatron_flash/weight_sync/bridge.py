@@ -30,7 +30,8 @@ without an error are resumed on every path.
 
 Probe: after the sync, fixed sequences are scored teacher-forced by every synced engine and by the
 trainer (`probe.py`); `SyncReport.max_abs_logprob_diff` / `mean_abs_logprob_diff`, and a mean above
-`probe_threshold` raises `WeightSyncError`.
+`probe_threshold` raises `WeightSyncError`. An engine that cannot answer the probe (it died after its
+sync) is taken out of service like one whose sync failed; a probe no engine answers raises.
 
 Peak extra memory on a sender is one bucket plus the parameter being gathered.
 """
@@ -311,8 +312,18 @@ class WeightBridge:
                                   report=report)
         if self.probe_enabled:
             t1 = time.perf_counter()
-            report.max_abs_logprob_diff, report.mean_abs_logprob_diff, worst = self.probe(report.synced_urls)
+            report.max_abs_logprob_diff, report.mean_abs_logprob_diff, worst, lost = self.probe(report.synced_urls)
             report.probe_seconds = time.perf_counter() - t1
+            for url, message in lost.items():  # died between its sync and the probe: out, like a failed sync
+                self.urls.remove(url)
+                self.failed[url] = f"post-sync probe: {message}"
+                report.synced_urls.remove(url)
+                report.failed_urls.append(url)
+                report.errors[url] = self.failed[url]
+            if lost and self.fail_fast:
+                report.seconds = time.perf_counter() - t0
+                raise WeightSyncError(f"weight sync to version {version}: engine(s) taken out of service: "
+                                      + "; ".join(f"{u}: {m}" for u, m in report.errors.items()), report=report)
             if report.mean_abs_logprob_diff > self.probe_threshold:
                 report.seconds = time.perf_counter() - t0
                 raise WeightSyncError(
@@ -499,9 +510,10 @@ class WeightBridge:
         return {}
 
     # ------------------------------------------------------------------ probe
-    def probe(self, urls: Sequence[str]) -> tuple[float, float, str]:
+    def probe(self, urls: Sequence[str]) -> tuple[float, float, str, dict[str, str]]:
         """Teacher-forced logprobs of fixed sequences: trainer (all ranks) vs every engine in `urls`
-        (rank 0). Returns (max, mean, worst url), the same on every rank. Collective."""
+        (rank 0). Returns (max, mean, worst url, {url: error} of engines that could not answer), the
+        same on every rank; raises when none answered. Collective."""
         tokens = probe_lib.probe_tokens(self.policy.spec.vocab_size)
         trainer, _ = self.policy.compute_logprobs({"tokens": tokens})
         result: Any = None
@@ -511,13 +523,18 @@ class WeightBridge:
                     u, tokens, probe_lib.PROMPT_LEN, api_key=self.api_key, timeout_s=self.timeout_s) for u in urls),
                     return_exceptions=True)
             try:
-                worst = (-1.0, -1.0, "")
+                worst, lost = (-1.0, -1.0, ""), {}
                 for url, out in zip(urls, asyncio.run(every())):
+                    if isinstance(out, Exception):  # e.g. the engine died after its sync
+                        lost[url] = f"{type(out).__name__}: {out}"
+                        continue
                     if isinstance(out, BaseException):
                         raise out
                     mx, mean = probe_lib.logprob_diffs(trainer, out, probe_lib.PROMPT_LEN)
                     worst = max(worst, (mean, mx, url))
-                result = (worst[1], worst[0], worst[2])
+                if len(lost) == len(urls):
+                    raise WeightSyncError("no engine answered: " + "; ".join(f"{u}: {m}" for u, m in lost.items()))
+                result = (worst[1], worst[0], worst[2], lost)
             except Exception as error:
                 result = f"post-sync probe could not run: {type(error).__name__}: {error}"
         result = self._bcast(result)

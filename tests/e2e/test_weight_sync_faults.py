@@ -13,6 +13,9 @@ wrong with A while buckets are being sent. The bridge's `on_bucket` hook makes i
                                                      old version while it was partial
   corrupt   reload A from a different-seed model     the post-sync probe raises, naming A, the diff
             behind the bridge's back                 and the threshold
+  probe_kill  (no bucket fault) SIGKILL engine A     A is out of service ("post-sync probe"), B was
+            after every bucket went out, before the  probed and serves v1 exactly; the sync does not
+            post-sync probe                          raise; then v2 to B alone
 
 "Exactly" = an engine samples and its behavior logprobs equal the trainer's logprobs of the same
 tokens (≤ 1e-4, fp32), and it reports the expected weight_version.
@@ -35,7 +38,8 @@ from tests.conftest import run_tool  # noqa: E402
 
 FAULT_AFTER_BUCKET = 1
 CASES = [("kill", "ipc", 1, True), ("kill", "broadcast", 1, False), ("kill", "ipc", 2, False),
-         ("resync", "ipc", 1, True), ("resync", "broadcast", 1, True), ("corrupt", "ipc", 1, False)]
+         ("resync", "ipc", 1, True), ("resync", "broadcast", 1, True), ("corrupt", "ipc", 1, False),
+         ("probe_kill", "ipc", 1, False)]
 
 
 @pytest.mark.parametrize("scenario,transport,tp,fail_fast", CASES,
@@ -62,6 +66,15 @@ def test_weight_sync_fault(tiny_models, seed1_model, tmp_path, scenario: str, tr
         assert second["raised"] is False and second["synced_urls"] == [b] and second["failed_urls"] == []
         assert out["b_after_second"] == {"version": "2", "ok": True}, out
         assert second["probe_max"] <= 1e-4
+    elif scenario == "probe_kill":
+        assert first["raised"] is False, first
+        assert first["failed_urls"] == [a] and first["synced_urls"] == [b], first
+        assert first["errors"][a].startswith("post-sync probe: "), first
+        assert first["probe_max"] <= 1e-4  # B's, the only engine probed successfully
+        assert out["b_after_first"] == {"version": "1", "ok": True}, out
+        second = out["second"]
+        assert second["raised"] is False and second["synced_urls"] == [b] and second["failed_urls"] == []
+        assert out["b_after_second"] == {"version": "2", "ok": True}, out
     elif scenario == "resync":
         assert first["raised"] is False, first
         assert first["failed_urls"] == [], first
@@ -92,7 +105,7 @@ def _main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model-path", required=True)
     p.add_argument("--other-model", required=True)
-    p.add_argument("--scenario", choices=["kill", "resync", "corrupt"], required=True)
+    p.add_argument("--scenario", choices=["kill", "resync", "corrupt", "probe_kill"], required=True)
     p.add_argument("--transport", default="ipc")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--fail-fast", action="store_true")
@@ -166,7 +179,7 @@ def _main() -> int:
     faulted: list = []
 
     def on_bucket(index: int) -> None:
-        if faulted or index != FAULT_AFTER_BUCKET:
+        if faulted or index != FAULT_AFTER_BUCKET or args.scenario == "probe_kill":
             return
         faulted.append(index)
         if args.scenario == "kill":
@@ -192,12 +205,22 @@ def _main() -> int:
         step()
         bridge = WeightBridge(policy, urls, transport=args.transport, bucket_mb=0.05, fail_fast=args.fail_fast,
                               on_bucket=on_bucket, timeout_s=120)
+        if args.scenario == "probe_kill":  # A dies after its sync, before the probe reaches it
+            probe = bridge.probe
+
+            def kill_then_probe(targets: list) -> tuple:
+                if rank0 and not faulted:
+                    faulted.append("probe")
+                    os.kill(pids[0], signal.SIGKILL)
+                    wait_refused(a)
+                return probe(targets)
+            bridge.probe = kill_then_probe
         out["first"] = run_sync(1)
         if args.scenario != "corrupt":
             out["b_after_first"] = serves(b)
         if args.scenario == "resync":
             out["a_after_first"] = serves(a)
-        if args.scenario == "kill":
+        if args.scenario in ("kill", "probe_kill"):
             step()  # the trainer carries on: new weights, to the survivor only
             out["second"] = run_sync(2)
             out["b_after_second"] = serves(b)

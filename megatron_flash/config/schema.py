@@ -347,11 +347,20 @@ class EngineConfig(_Section):
     the new ones, then the KV cache, and generate again. Needs async_rl.alpha=0."""
     max_restarts: int = 3
     """Launched engines (cpu|sglang) that exit are started again up to this many times each, then
-    synced to the trainer's weights at the next push before they serve; 0 = never (attach: never)."""
+    synced to the trainer's weights at the next push before they serve; 0 = never. Attached engines
+    are not started here (the multi-node template's launch/slurm/engine_loop.sh restarts them on their
+    node); they are watched instead (attach_probe_*)."""
+    attach_probe_interval_s: float = 2.0
+    """backend=attach: seconds between /health probes of each attached engine."""
+    attach_probe_failures: int = 3
+    """backend=attach: this many failed /health probes in a row (5 s timeout each) take the engine out of
+    routing; when it answers again it is synced at the next push and re-admitted."""
 
     def validate(self) -> None:
         self._one_of("backend", ENGINE_BACKENDS)
         self._at_least("max_restarts", 0)
+        self._positive("attach_probe_interval_s")
+        self._at_least("attach_probe_failures", 1)
         self._at_least("num_engines", 1)
         self._at_least("tp_size", 1)
         self._at_least("max_inflight_per_engine", 1)

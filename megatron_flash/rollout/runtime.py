@@ -125,8 +125,12 @@ class RolloutRuntime:
         if self.cfg.engines.colocate and self.cfg.engines.backend == "sglang":
             self.launcher.server_args.setdefault("enable-memory-saver", True)  # else release frees nothing
         self.urls = self.launcher.start()
-        if self.cfg.engines.backend != "attach" and self.cfg.engines.max_restarts > 0:
-            self.launcher.supervise(max_restarts=self.cfg.engines.max_restarts, on_down=self.engine_down)
+        eng = self.cfg.engines
+        if eng.backend == "attach":  # started elsewhere: watch /health, re-admit when it answers again
+            self.launcher.supervise(max_restarts=0, on_down=self.engine_down, interval_s=eng.attach_probe_interval_s,
+                                    down_after=eng.attach_probe_failures)
+        elif eng.max_restarts > 0:
+            self.launcher.supervise(max_restarts=eng.max_restarts, on_down=self.engine_down)
         return self.urls
 
     def engine_down(self, url: str, reason: str) -> None:

@@ -33,6 +33,14 @@ syncs it before routing to it (the proxy re-admits an engine only at the fleet's
 ``restarts`` records each one: exit code and seconds from noticing the exit (within ``interval_s``)
 to a healthy server. After k restarts of
 one engine it stays down.
+
+Attached servers (backend attach: started elsewhere, e.g. by ``srun`` on engine nodes, whose
+``launch/slurm/engine_loop.sh`` starts a server again when it exits) are watched instead:
+``supervise`` polls their /health; ``down_after`` failed probes in a row (each ``probe_timeout_s``)
+report the engine through ``on_down``, and once /health answers again it is listed by
+``take_restarted()`` (``restarts``: exit_code None, restart_s = down noticed → healthy) to be synced
+and re-admitted like a relaunched one. Nothing is started here, and an attached engine is never
+given up on.
 """
 
 from __future__ import annotations
@@ -285,17 +293,57 @@ class EngineLauncher:
 
     # -- restarts -------------------------------------------------------------------------------
     def supervise(self, *, max_restarts: int, on_down: Optional[Callable[[str, str], None]] = None,
-                  interval_s: float = 0.5) -> None:
-        """Restart servers that exit, up to `max_restarts` times each (see the module docstring).
-        Launched backends only; call after `start()`. The thread is also the restarted servers'
+                  interval_s: float = 0.5, down_after: int = 3, probe_timeout_s: float = 5.0) -> None:
+        """Restart servers that exit, up to `max_restarts` times each; attached servers: watch their
+        /health (`down_after` failed probes in a row = down) and report them when they answer again
+        (see the module docstring). Call after `start()`. The thread is also the restarted servers'
         parent for the parent-death signal, so it lives until `stop()`."""
-        if self.backend == "attach":
-            raise ValueError("backend=attach: the servers were started elsewhere and cannot be restarted here")
-        if max_restarts < 1 or self._supervisor is not None:
+        if self._supervisor is not None:
             return
-        self._supervisor = threading.Thread(target=self._supervise, args=(max_restarts, on_down, interval_s),
-                                            name="engine-supervisor", daemon=True)
+        if self.backend == "attach":
+            if down_after < 1:
+                raise ValueError(f"down_after must be >= 1, got {down_after}")
+            self._stopping.clear()
+            target, args = self._watch_attached, (on_down, interval_s, down_after, probe_timeout_s)
+        elif max_restarts < 1:
+            return
+        else:
+            target, args = self._supervise, (max_restarts, on_down, interval_s)
+        self._supervisor = threading.Thread(target=target, args=args, name="engine-supervisor", daemon=True)
         self._supervisor.start()
+
+    def _watch_attached(self, on_down: Optional[Callable[[str, str], None]], interval_s: float,
+                        down_after: int, probe_timeout_s: float) -> None:
+        specs = self.specs()
+        misses = [0] * len(specs)
+        down_since: List[Optional[float]] = [None] * len(specs)
+        while not self._stopping.wait(interval_s):
+            for spec in specs:
+                if self._stopping.is_set():
+                    return
+                ok = probe_health(spec.url, api_key=self.api_key, timeout_s=probe_timeout_s)
+                i = spec.index
+                if ok and down_since[i] is not None:
+                    entry = {"index": i, "url": spec.url, "exit_code": None,
+                             "restart_s": time.monotonic() - down_since[i], "ok": True}
+                    down_since[i] = None
+                    with self._lock:
+                        self.restarts.append(entry)
+                        self._restarted.append(spec.url)
+                    _log(f"engine {i} ({spec.url}) answers /health again after {entry['restart_s']:.1f} s: "
+                         "it is synced and re-admitted at the next weight push")
+                if ok:
+                    misses[i] = 0
+                    continue
+                misses[i] += 1
+                if misses[i] == down_after and down_since[i] is None:
+                    down_since[i] = time.monotonic()
+                    reason = (f"engine {i} ({spec.url}) failed {down_after} /health probes in a row "
+                              f"({probe_timeout_s:g} s each, every {interval_s:g} s)")
+                    _log(f"{reason}; out of service until it answers again (attached: restarted, if at all, "
+                         "where it was started)")
+                    if on_down is not None:
+                        on_down(spec.url, reason)
 
     def take_restarted(self) -> List[str]:
         """URLs of engines restarted and healthy since the last call (they need the current weights)."""

@@ -160,6 +160,117 @@ def test_launcher_restarts_a_killed_engine_and_the_run_resyncs_it(tiny_models, t
           f"re-synced at step {first['step']}; {len(table)} steps")
 
 
+def test_attached_engines_restarted_on_their_node_are_resynced_and_serve_again(tiny_models, tmp_path) -> None:
+    """The multi-node layout on one machine: two CPU servers started outside the run, each under
+    launch/slurm/engine_loop.sh (what the template's engine steps run), and the product attached to
+    them (engines.backend=attach). Engine 0's server is killed (-9) mid-run: the trainer must take it
+    out when its /health fails, the loop must start it again, and once it answers the next push must
+    send it the trainer's weights and the proxy must route to it again; the run never stops."""
+    import json
+    import shlex
+    import subprocess
+    import sys
+    import time
+
+    from megatron_flash.rollout.sglang_launcher import EngineCommand
+    from tests.conftest import REPO
+
+    port = free_ports(2)
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(2)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "RESTART_DELAY_S": "0.5"}
+    cpu = EngineCommand.cpu()
+    loops = []
+    for i in range(2):
+        cmd = shlex.join(cpu.build(model_path=tiny_models["llama"], host="127.0.0.1", port=port + i))
+        loops.append(subprocess.Popen(["bash", "launch/slurm/engine_loop.sh", "2", str(tmp_path / f"engine{i}.log"),
+                                       cmd], cwd=REPO, env=env))
+
+    def server_pid(loop: subprocess.Popen) -> int:
+        with open(f"/proc/{loop.pid}/task/{loop.pid}/children") as f:
+            kids = [int(x) for x in f.read().split()]
+        assert len(kids) == 1, kids
+        return kids[0]
+
+    run_dir = str(tmp_path / "attach")
+    args = ["launch/pretrain_async_rl.py", "--config", "configs/quickstart_cpu.yaml",
+            f"model.hf_path={tiny_models['llama']}", f"logging.dir={run_dir}", "trainer.total_steps=100000",
+            "trainer.global_batch_size=16", "trainer.micro_batch_size=16", "rollout.n_samples_per_prompt=4",
+            "engines.backend=attach", "engines.num_engines=2", f"engines.urls=[{urls[0]},{urls[1]}]",
+            "engines.attach_probe_interval_s=0.2", "engines.attach_probe_failures=2",
+            "logging.wandb_mode=disabled", "logging.tensorboard=false", "async_rl.alpha=1"]
+    proc = None
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+
+    def rows() -> list:
+        if not os.path.exists(metrics_path):
+            return []
+        with open(metrics_path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def wait_for(what, timeout_s: float = 300.0) -> list:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            table = rows()
+            if what(table):
+                return table
+            time.sleep(0.2)
+        raise AssertionError(f"gave up waiting; run alive: {proc.poll() is None}; last rows: {rows()[-3:]}")
+
+    try:
+        deadline = time.monotonic() + 180
+        while not all(probe_health(u) for u in urls) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        # Output to a file, not a pipe: torch's shared-memory manager, which the trainer starts for the ipc
+        # transport, inherits it and lives on while the attached engines (its clients) do.
+        log = open(tmp_path / "trainer.log", "w")
+        proc = subprocess.Popen([sys.executable] + args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        wait_for(lambda t: len(t) >= 3)
+        victim = server_pid(loops[0])
+        killed_after = len(rows())
+        os.kill(victim, signal.SIGKILL)
+        rejoined = lambda t: [r for r in t if r.get("engines_restarted")]  # noqa: E731
+        table = wait_for(lambda t: rejoined(t) and any(r["engines_healthy"] == 2 for r in t
+                                                         if r["step"] > rejoined(t)[0]["step"]))
+        wait_for(lambda t: len(t) >= len(table) + 3)  # it keeps serving for a few more steps
+        survivor = server_pid(loops[0])
+        fleet_versions = [weight_version(u) for u in urls]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        codes = []
+        for loop in loops:
+            loop.send_signal(signal.SIGTERM)
+            try:
+                codes.append(loop.wait(timeout=60))
+            except subprocess.TimeoutExpired:
+                loop.kill()
+                codes.append(None)
+    log.close()
+    assert proc.returncode == 0, (tmp_path / "trainer.log").read_text()[-4000:]
+    assert codes == [143, 143]  # the loops stopped their servers on SIGTERM
+    table = rows()
+    assert [r["step"] for r in table] == list(range(len(table)))
+    assert survivor != victim  # the loop started a new server for engine 0
+    first = rejoined(table)
+    assert len(first) == 1, [(r["step"], r.get("engines_restarted")) for r in table]
+    first = first[0]
+    assert first["step"] >= killed_after - 1 and first["engine_restart_s"] > 0
+    assert first["engines_out_of_service"] == 0 and first["train_infer_logprob_diff"] <= 1e-4, first
+    assert table[-1]["engine_restarts"] == 1 and table[-1]["engines_healthy"] == 2
+    later = [r for r in table if r["step"] > first["step"] + 1]
+    assert sum(r["engine0_requests"] for r in later) > 0, [(r["step"], r["engine0_requests"]) for r in table]
+    assert fleet_versions[0] == fleet_versions[1], fleet_versions
+    with open(tmp_path / "engine0.log") as f:
+        text = f.read()
+    assert text.count("started (pid") == 2 and "starting it again" in text
+    for pid in (victim, survivor):
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    print(f"attached engine 0 killed after step {killed_after - 1}; back and re-synced at step {first['step']} "
+          f"({first['engine_restart_s']:.1f} s down → healthy); {len(table)} steps")
+
+
 def test_supervisor_restarts_up_to_max_restarts_then_leaves_it_down(tiny_models, tmp_path) -> None:
     import time
 

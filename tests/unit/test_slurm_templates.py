@@ -152,6 +152,65 @@ def test_multi_node_engines_are_launcher_commands(rendered: Dict) -> None:
         assert node.env == {"CUDA_VISIBLE_DEVICES": f"{2 * i},{2 * i + 1}"}
 
 
+def test_multi_node_engine_steps_run_each_printed_command_under_the_restart_loop(rendered: Dict) -> None:
+    """Each engine node's srun step runs exactly the commands printed for that node, each under
+    launch/slurm/engine_loop.sh with ENGINE_MAX_RESTARTS (3) and its own log."""
+    import shlex
+
+    r = rendered["multi_node_disaggregated"]
+    for host in ("gpu03", "gpu04"):
+        (step,) = [s for s in r.steps if s.startswith(f"srun --nodes=1 --ntasks=1 --nodelist={host} ")]
+        words = shlex.split(step.rstrip(" &"))
+        script = words[words.index("-c") + 1]
+        loops = [shlex.split(part[part.index("bash launch/slurm/engine_loop.sh"):])
+                 for part in script.split(" & ") if "engine_loop.sh" in part]
+        printed = [n.text for n in r.role("engine") if n.host == host]
+        assert len(loops) == len(printed) == 4
+        for i, (loop, text) in enumerate(zip(loops, printed)):
+            assert loop[:3] == ["bash", "launch/slurm/engine_loop.sh", "3"], loop
+            assert loop[3] == f"logs/slurm/4242/engine-{host}-{i}.log"
+            assert loop[4] == text  # the server command, the key still a variable for the node
+        assert SECRET not in step
+
+
+def test_engine_loop_restarts_a_server_up_to_max_then_gives_up(tmp_path: Path) -> None:
+    # A "server" that exits with code 7 and counts its starts: MAX_RESTARTS=2 → 3 starts, exit 7.
+    count, log = tmp_path / "starts", tmp_path / "engine.log"
+    cmd = f"echo start >> {count}; exit 7"
+    done = subprocess.run(["bash", str(SLURM / "engine_loop.sh"), "2", str(log), cmd],
+                          env={**os.environ, "RESTART_DELAY_S": "0"}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 7, done.stderr
+    assert count.read_text().split() == ["start"] * 3
+    text = log.read_text()
+    assert text.count("server exited with code 7; starting it again") == 2
+    assert "after 2 restart(s) (MAX_RESTARTS=2): it stays down" in text
+    bad = subprocess.run(["bash", str(SLURM / "engine_loop.sh"), "x", str(log), "true"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "MAX_RESTARTS" in bad.stderr
+
+
+def test_engine_loop_sigterm_stops_the_server_and_the_loop(tmp_path: Path) -> None:
+    # The server is a sleep that records its pid; SIGTERM to the loop must end both, with no restart.
+    pid_file, log = tmp_path / "server.pid", tmp_path / "engine.log"
+    cmd = f"echo $$ > {pid_file}; exec sleep 300"
+    loop = subprocess.Popen(["bash", str(SLURM / "engine_loop.sh"), "5", str(log), cmd])
+    try:
+        deadline = time.monotonic() + 30
+        while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server = int(pid_file.read_text())
+        loop.send_signal(signal.SIGTERM)
+        assert loop.wait(timeout=30) == 143
+    finally:
+        if loop.poll() is None:
+            loop.kill()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{server}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{server}") or open(f"/proc/{server}/stat").read().split()[2] == "Z"
+    assert "starting it again" not in log.read_text()
+
+
 def test_multi_node_urls_match_engines(rendered: Dict) -> None:
     r = rendered["multi_node_disaggregated"]
     served = [f"http://{n.argv[n.argv.index('--host') + 1]}:{n.argv[n.argv.index('--port') + 1]}"

@@ -18,6 +18,12 @@ loop_per_request_s(k) = (L_long · T_short − L_short · T_long) / (N · (L_lon
 loop_step_s(k) = k · (T_long − T_short) / (N · (L_long − L_short)); the engine process's CPU seconds
 (from /proc) give the same two per request in CPU time (`loop_cpu_*`), which other load on the
 machine inflates less than wall time.
+
+`--loop-n 1,8` also runs each closed loop with requests of one prompt and n = 8 sampled sequences
+(SGLang's `sampling_params.n`, how the rollout sends a group without prompt replication), the same
+number of sequences in all: k workers then keep k · n sequences running, and `loop_per_request_s` is
+per HTTP request. Side by side with n = 1 this splits the engine-exclusive cost into a per-request and
+a per-sequence part (the CPU server admits and prefills the n members separately).
 """
 
 from __future__ import annotations
@@ -48,8 +54,9 @@ async def timed(url: str, k: int, length: int) -> float:
     return took
 
 
-async def closed_loop(url: str, k: int, length: int, total: int) -> float:
-    """k workers, each sending its next request as soon as its last returns, `total` requests in all."""
+async def closed_loop(url: str, k: int, length: int, total: int, n: int = 1) -> float:
+    """k workers, each sending its next request (n sampled sequences) as soon as its last returns, `total`
+    requests in all."""
     from megatron_flash.rollout.engine_client import EngineClient
 
     params = {"temperature": 1.0, "max_new_tokens": length, "ignore_eos": True}
@@ -58,8 +65,8 @@ async def closed_loop(url: str, k: int, length: int, total: int) -> float:
     async def worker(client: EngineClient) -> None:
         while left[0] > 0:
             left[0] -= 1
-            out = await client.generate([1, 5], params, return_logprob=True)
-            assert len(out.output_ids) == length
+            outs = await client.generate_n([1, 5], params, n, return_logprob=True)
+            assert len(outs) == n and all(len(o.output_ids) == length for o in outs)
 
     async with EngineClient(url) as client:
         t0 = time.perf_counter()
@@ -83,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--loop-k", default="", help="closed-loop concurrency levels, e.g. 4,8,16 (empty: skip)")
     p.add_argument("--loop-requests", type=int, default=256)
+    p.add_argument("--loop-n", default="1", help="sampled sequences per closed-loop request (SGLang n), e.g. 1,8")
     p.add_argument("--skip-batch", action="store_true", help="only the closed loop")
     args = p.parse_args(argv)
 
@@ -96,9 +104,11 @@ def main(argv: list[str] | None = None) -> int:
                    stdout=subprocess.DEVNULL)
     ks = [] if args.skip_batch else [int(x) for x in args.k.split(",")]
     loop_ks = [int(x) for x in args.loop_k.split(",") if x]
-    blocks = max(ks + loop_ks) * -(-(4 + args.long) // 16) + 16
+    loop_ns = [int(x) for x in args.loop_n.split(",") if x]
+    most = max(ks + [k * max(loop_ns) for k in loop_ks])
+    blocks = most * -(-(4 + args.long) // 16) + 16
     launcher = EngineLauncher(backend="cpu", model_path=model, num_engines=1, base_port=free_ports(1), run_dir=work,
-                              server_args={"num-blocks": blocks, "max-batch-tokens": max(256, max(ks + loop_ks) * 4)},
+                              server_args={"num-blocks": blocks, "max-batch-tokens": max(256, most * 4)},
                               env={"OMP_NUM_THREADS": "1"})
     step, per_req = {}, {}
     with launcher:
@@ -114,22 +124,25 @@ def main(argv: list[str] | None = None) -> int:
         loop: dict[str, dict[str, float]] = {}
         pid, n = launcher.pids[0], args.loop_requests
         for k in loop_ks:
-            t, c = {}, {}
-            for L in (args.short, args.long):
-                c0 = cpu_seconds(pid)
-                t[L] = asyncio.run(closed_loop(url, k, L, n))
-                c[L] = cpu_seconds(pid) - c0
-            span = n * (args.long - args.short)
-            row = {"loop_per_request_s": (args.long * t[args.short] - args.short * t[args.long]) / span,
-                   "loop_step_s": k * (t[args.long] - t[args.short]) / span,
-                   "loop_cpu_per_request_s": (args.long * c[args.short] - args.short * c[args.long]) / span,
-                   "loop_cpu_step_s": k * (c[args.long] - c[args.short]) / span,
-                   "engine_busy_frac": (c[args.short] + c[args.long]) / (t[args.short] + t[args.long])}
-            loop[str(k)] = {key: round(v, 6) for key, v in row.items()}
-            print(f"closed loop k={k:>3}: T({args.short})={t[args.short]:.3f} s T({args.long})={t[args.long]:.3f} s "
-                  f"for {n} requests → per request {row['loop_per_request_s'] * 1e3:.2f} ms (CPU "
-                  f"{row['loop_cpu_per_request_s'] * 1e3:.2f}), step {row['loop_step_s'] * 1e3:.2f} ms (CPU "
-                  f"{row['loop_cpu_step_s'] * 1e3:.2f}), engine busy {row['engine_busy_frac']:.2f}", flush=True)
+            for m in loop_ns:
+                reqs = max(1, n // m)  # the same number of sequences for every n
+                t, c = {}, {}
+                for L in (args.short, args.long):
+                    c0 = cpu_seconds(pid)
+                    t[L] = asyncio.run(closed_loop(url, k, L, reqs, m))
+                    c[L] = cpu_seconds(pid) - c0
+                span = reqs * (args.long - args.short)
+                row = {"loop_per_request_s": (args.long * t[args.short] - args.short * t[args.long]) / span,
+                       "loop_step_s": k * (t[args.long] - t[args.short]) / span,
+                       "loop_cpu_per_request_s": (args.long * c[args.short] - args.short * c[args.long]) / span,
+                       "loop_cpu_step_s": k * (c[args.long] - c[args.short]) / span,
+                       "engine_busy_frac": (c[args.short] + c[args.long]) / (t[args.short] + t[args.long])}
+                loop[str(k) if m == 1 else f"{k}x{m}"] = {key: round(v, 6) for key, v in row.items()}
+                print(f"closed loop k={k:>3} n={m}: T({args.short})={t[args.short]:.3f} s T({args.long})="
+                      f"{t[args.long]:.3f} s for {reqs} requests → per request "
+                      f"{row['loop_per_request_s'] * 1e3:.2f} ms (CPU {row['loop_cpu_per_request_s'] * 1e3:.2f}), "
+                      f"step {row['loop_step_s'] * 1e3:.2f} ms (CPU {row['loop_cpu_step_s'] * 1e3:.2f}), "
+                      f"engine busy {row['engine_busy_frac']:.2f}", flush=True)
     print(json.dumps({"num_layers": args.num_layers, "hidden_size": args.hidden_size,
                       "step_s": {str(k): round(v, 6) for k, v in step.items()},
                       "per_request_s": {str(k): round(v, 6) for k, v in per_req.items()}, "closed_loop": loop,

@@ -47,6 +47,12 @@ from megatron_flash import planner  # noqa: E402
 STEP_L2_H64 = [(1, 0.000944), (2, 0.00109), (4, 0.001131), (8, 0.001552), (16, 0.001963), (32, 0.003629),
                (64, 0.007761)]
 STEP_L4_H160 = [(1, 0.001416), (4, 0.001987), (8, 0.002813), (16, 0.004081), (32, 0.008593)]
+# The same on the 16-core GPU box (GPU hidden, uncontended; session 4, docs/benchmarks.md "GPU box"), 2 × 64 model.
+STEP16_L2_H64 = [(1, 0.0022), (4, 0.0029), (8, 0.0039), (16, 0.0050), (64, 0.0093)]
+# The same 2 × 64 curve re-measured on the 2-core box in session 5 (load ~1), next to the replication run
+# "rep8_s5" below: `OMP_NUM_THREADS=1 python benchmarks/engine_step_cost.py --k 1,2,4,8,16,32,64`.
+STEP_S5_L2_H64 = [(1, 0.00138), (2, 0.00156), (4, 0.00182), (8, 0.00239), (16, 0.00241), (32, 0.00398),
+                  (64, 0.00798)]
 # The decode-step figures recorded in session 2 (benchmarks/queue_scheduling.py docstring, docs/benchmarks.md
 # "What limits each speedup"): measured at 08:40 on 2026-11-22 while other jobs kept the load at 4-9.
 STEP_SESSION2 = [(1, 0.0032), (4, 0.0040), (16, 0.0072), (64, 0.018)]
@@ -99,6 +105,15 @@ MEASURED: dict[str, dict] = {
     "rep16": {"off": 0.287, "off_rounds": [0.267, 0.308], "on": 0.342, "on_rounds": [0.268, 0.416],
               "chunk4": 0.256, "chunk4_rounds": [0.259, 0.253], "runs": "bench_pr_s3", "skip": 3,
               "dirs": {"off": "off", "on": "on", "chunk4": "chunked"}},
+    # The same with 8 slots (defaults), 1 round, on the 16-core GPU box (GPU hidden, uncontended; session 4,
+    # docs/benchmarks.md "GPU box"): `CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 python
+    # benchmarks/prompt_replication.py --rounds 1 --chunk 4`.
+    "rep8_16core": {"off": 0.511, "off_rounds": [0.511], "on": 0.399, "on_rounds": [0.399],
+                    "chunk4": 0.556, "chunk4_rounds": [0.556]},
+    # The same with 8 slots, 2 rounds, 2-core box, session 5 (load 0.85), minutes after STEP_S5_L2_H64:
+    # `OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --chunk 4 --rounds 2`.
+    "rep8_s5": {"off": 0.496, "off_rounds": [0.491, 0.501], "on": 0.460, "on_rounds": [0.497, 0.423],
+                "chunk4": 0.502, "chunk4_rounds": [0.448, 0.557]},
     # env_async.py, 64 env instances, medians of 3 interleaved runs, quiet box (docs "Env-level async").
     "env300": {"batch": 45.1, "async": 16.9},
     "env100": {"batch": 25.3, "async": 13.6},
@@ -268,10 +283,13 @@ def queue_scheduling(sets: list[CostSet], req: dict[str, float], *, seeds: int, 
                 {k: out["batch"][k] / out["no_extra"][k] for k in out["batch"]})]
 
 
-def prompt_replication(slots: int, sets: list[CostSet], req: dict[str, float], *, seeds: int, steps: int) -> list[dict]:
+def prompt_replication(slots: int, sets: list[CostSet], req: dict[str, float], *, seeds: int, steps: int,
+                       key: str = "") -> list[dict]:
     """prompt_replication.py: 16 × 8 per step, 2 engines × `slots` running, α = 2, rollout only; off = one
-    request of n = 8 per group, on = 8 requests, chunk 4 = 2 requests of 4."""
-    m = MEASURED[f"rep{slots}"]
+    request of n = 8 per group (its members decode and end individually, the request holds 8 slots until
+    the last ends), on = 8 requests, chunk 4 = 2 requests of 4."""
+    key = key or f"rep{slots}"
+    m = MEASURED[key]
     work = planner.Workload(batch_size=128, group_size=8, prompt_len=2, lengths=hist_lengths())
     out: dict[str, dict[str, float]] = {"off": {}, "on": {}, "chunk4": {}}
     for cs in sets:
@@ -283,6 +301,12 @@ def prompt_replication(slots: int, sets: list[CostSet], req: dict[str, float], *
     cmd = ("python benchmarks/prompt_replication.py --chunk 4 --rounds 3" if slots == 8 else
            "python benchmarks/prompt_replication.py --max-inflight 16 --chunk 4")
     b = f"prompt replication ({slots} slots × 2 engines, α=2)"
+    if key == "rep8_s5":
+        cmd = "OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --chunk 4 --rounds 2 (session 5)"
+        b += ", 2-core box, session 5 curve"
+    if key == "rep8_16core":
+        cmd = "CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --rounds 1 --chunk 4 (GPU box)"
+        b += ", 16-core box"
     rows = [row(b, f"{mode} s/step", cmd, m[mode], m[f"{mode}_rounds"], out[mode]) for mode in ("off", "on", "chunk4")]
     for mode in ("on", "chunk4"):
         rows.append(row(b, f"speedup {mode} vs off", cmd, m["off"] / m[mode], [],
@@ -365,7 +389,17 @@ def validate(*, seeds: int, steps: int, log: Callable[[str], None] = print) -> d
     rows += prompt_replication(8, sets, req, seeds=seeds, steps=steps)
     rows += prompt_replication(16, sets, req, seeds=seeds, steps=steps)
     rows += env_async(sets, req, seeds=seeds)
+    # 2-core box, session 5: replication re-measured next to a fresh decode-step curve (same box, same hour)
+    rows += prompt_replication(8, [CostSet("alone", step_small=STEP_S5_L2_H64),
+                                   CostSet("stage time", step_small=STEP_S5_L2_H64)], req, seeds=seeds, steps=steps,
+                               key="rep8_s5")
     rows += async_vs_sync("avs16", [alone, fitted], req16, seeds=seeds, steps=steps)
+    # 16-core box: its own decode-step curve for the 2 × 64 model; the stage-time set keeps the per-request
+    # engine seconds solved from that box's async_vs_sync stage (with the 2-core 4 × 160 curve: the 16-core
+    # box's curve for that model was not measured).
+    alone16 = CostSet("alone", step_small=STEP16_L2_H64)
+    fitted16 = CostSet("stage time", step_small=STEP16_L2_H64)
+    rows += prompt_replication(8, [alone16, fitted16], req16, seeds=seeds, steps=steps, key="rep8_16core")
     return {"rows": rows, "request_engine_s": {"2-core": round(req["stage time"], 6),
                                                "16-core": round(req16["stage time"], 6)}}
 

@@ -2,6 +2,7 @@
 
 import copy
 import importlib.util
+import itertools
 import json
 import subprocess
 import sys
@@ -132,6 +133,25 @@ def test_group_cap_limits_concurrency_and_chunks_match_their_limits():
     kw = dict(work=tail, costs=_costs(cap=16), num_engines=4, train_gpus=1, alpha=1, num_steps=10)
     assert planner.simulate(replication_chunk=8, **kw).sec_per_step == pytest.approx(
         planner.simulate(prompt_replication=False, **kw).sec_per_step)
+
+
+def test_members_of_an_n_sampling_request_leave_the_batch_as_they_end():
+    # One request of 2 sampled sequences (no replication), lengths 2 and 10 drawn in turn; a decode step
+    # costs 1 s with 1 sequence running and 1.5 s with 2. By hand: 2 steps with both (3 s), then the long
+    # one alone for 8 (8 s): 11 s a step at α = 0 without training. Charging both until the longest ends
+    # (the engine decoding a finished member) would give 10 × 1.5 = 15 s.
+    draws = itertools.cycle([2, 10])  # the planner's 4000-draw mean takes an even number: order kept
+    w = planner.Workload(batch_size=2, group_size=2, lengths=lambda rng: next(draws))
+    c = planner.Costs(decode_step=lambda k: 1.0 if k <= 1 else 1.5, engine_cap=3, prefill_s=0.0,
+                      train_s=lambda g, t: 0.0, sync_s=0.0)
+    kw = dict(costs=c, num_engines=1, train_gpus=1, alpha=0, num_steps=4, prompt_replication=False)
+    assert planner.simulate(work=w, **kw).sec_per_step == pytest.approx(11.0)
+    # Two such requests (A, B) on an engine capped at 3 sequences: B needs 2 free slots and A holds its 2
+    # until its last member ends (the proxy's accounting), though only 1 of them decodes after 3 s. So B
+    # starts at 11 s and ends at 22 s: 22 s a step. Releasing A's finished member's slot would let B in at
+    # 3 s (17 s a step).
+    w.batch_size = 4
+    assert planner.simulate(work=w, **kw).sec_per_step == pytest.approx(22.0)
 
 
 def test_rollout_client_hands_out_requests_one_at_a_time():

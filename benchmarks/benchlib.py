@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import string
 import subprocess
@@ -33,6 +32,8 @@ from typing import Any, Optional, Sequence
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+
+from megatron_flash.ports import free_ports  # noqa: E402  (engines use base_port + i)
 MODELS_DIR = os.path.join(REPO, "runs", "bench_models")
 # One product run's config: the CPU quickstart, quiet logging, no HF export at the end.
 BASE_OVERRIDES = ["logging.wandb_mode=disabled", "logging.tensorboard=false", "checkpoint.save_hf_at_end=false"]
@@ -51,26 +52,6 @@ def env() -> dict[str, str]:
     out["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "benchmarks"), out.get("PYTHONPATH", "")])
     return out
 
-
-def free_ports(count: int) -> int:
-    """The first of `count` consecutive free ports on 127.0.0.1 (engines use base_port + i)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        ok = True
-        for port in range(base + 1, base + count):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError(f"no {count} consecutive free ports found")
 
 
 # ------------------------------------------------------------------ models

@@ -27,13 +27,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from megatron_flash.ports import free_ports  # noqa: E402
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def lengths(n: int, max_len: int, seed: int) -> list[int]:
@@ -84,7 +79,7 @@ def main() -> int:
         lens = lengths(args.requests, args.max_len, args.seed)
         rng = random.Random(args.seed + 1)
         prompts = [[rng.randrange(4, 40) for _ in range(5)] for _ in range(args.requests)]
-        launcher = EngineLauncher(backend="cpu", model_path=model, num_engines=1, base_port=free_port(),
+        launcher = EngineLauncher(backend="cpu", model_path=model, num_engines=1, base_port=free_ports(1),
                                   run_dir=os.path.join(tmp, "run"), startup_timeout_s=180,
                                   server_args={"num-blocks": args.num_blocks, "max-batch-tokens": 512})
         with launcher:

@@ -61,6 +61,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from megatron_flash.agentic import Env, SyncEnv  # noqa: E402
+from megatron_flash.ports import free_ports  # noqa: E402
 from megatron_flash.agentic.env_manager import EnvGroupRunner, SeedPrompt  # noqa: E402
 from megatron_flash.agentic.protocol import StepResult  # noqa: E402
 from megatron_flash.config.schema import AgenticConfig  # noqa: E402
@@ -373,7 +374,7 @@ def main() -> int:
             subprocess.run([sys.executable, os.path.join(REPO, "tools/make_tiny_model.py"), "--out", model],
                            check=True, capture_output=True)
         tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-        launcher = EngineLauncher(backend="cpu", model_path=model, num_engines=1, base_port=free_port(),
+        launcher = EngineLauncher(backend="cpu", model_path=model, num_engines=1, base_port=free_ports(1),
                                   run_dir=os.path.join(tmp, "run"), startup_timeout_s=180,
                                   server_args={"num-blocks": args.num_blocks,
                                                "max-batch-tokens": args.max_batch_tokens})
@@ -427,13 +428,6 @@ def main() -> int:
     print(json.dumps(result))
     return 0
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -65,13 +65,13 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     from megatron_flash.rollout.sglang_launcher import EngineLauncher
-    from megatron_flash.trainer.distributed import free_port
+    from megatron_flash.ports import free_ports
 
     with tempfile.TemporaryDirectory() as tmp:
         model = os.path.join(tmp, "model")
         subprocess.run([sys.executable, os.path.join(REPO, "tools/make_tiny_model.py"), "--out", model],
                        check=True, capture_output=True)
-        base = free_port()
+        base = free_ports(args.engines)
         launcher = EngineLauncher(backend="cpu", model_path=model, num_engines=args.engines, base_port=base,
                                   run_dir=os.path.join(tmp, "run"), startup_timeout_s=180,
                                   server_args={"num-blocks": 256, "max-batch-tokens": 512})

@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
+from megatron_flash.ports import free_ports
 from megatron_flash.trainer import cpu_shim
 
 
@@ -40,10 +40,9 @@ class Layout:
 
 
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (released before return; fine for rendezvous on one host)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on 127.0.0.1 (released before return; fine for rendezvous on one host), taken from
+    outside the ephemeral range (megatron_flash.ports)."""
+    return free_ports(1)
 
 
 def init_distributed(*, tp_size: int, pp_size: int, seed: int, backend: str = "auto",

@@ -14,7 +14,6 @@ Backends:
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,17 +24,14 @@ from typing import Any
 
 import pytest
 
+from megatron_flash.ports import free_ports
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # `make test` runs the CPU server; `make test-sglang` sets MF_CONTRACT_BACKENDS=sglang (real SGLang 0.5.23 on CPU,
 # installed by tools/sglang_cpu/install.sh into .cache/sglang-venv).
 BACKENDS = [b for b in os.environ.get("MF_CONTRACT_BACKENDS", "cpu").split(",") if b]
 STARTUP_DEADLINE_S = {"cpu": 120.0, "sglang": 300.0}
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -82,7 +78,7 @@ def _start_cpu_server(model_dir: str, port: int, log_path: str, *, api_key: str 
 
 def launch_engine(backend: str, model_dir: str, log_dir: str, *, api_key: str | None = None) -> EngineServer:
     """Start a server of `backend` on a free loopback port and wait (with a deadline) for /health."""
-    port = free_port()
+    port = free_ports()
     log_path = os.path.join(log_dir, f"{backend}-{port}.log")
     if backend == "cpu":
         proc = _start_cpu_server(model_dir, port, log_path, api_key=api_key)

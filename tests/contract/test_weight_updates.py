@@ -14,7 +14,8 @@ from datetime import timedelta
 
 import pytest
 
-from tests.contract.conftest import BACKENDS, free_port, launch_engine
+from megatron_flash.ports import free_ports
+from tests.contract.conftest import BACKENDS, launch_engine
 from tests.contract.helpers import assert_logprobs_match, generate, http, post, teacher_logprobs
 
 PROMPT = [1, 8, 9, 10, 11]
@@ -103,7 +104,7 @@ def test_update_weights_from_distributed_gloo(server, seed1_model: str) -> None:
     import torch
     import torch.distributed as dist
 
-    port, group_name = free_port(), "contract_group"
+    port, group_name = free_ports(), "contract_group"
     thread, result = _post_in_thread(server.url + "/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
         "group_name": group_name, "backend": "gloo"})

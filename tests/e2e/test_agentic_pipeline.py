@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from megatron_flash.trainer.distributed import free_port
+from megatron_flash.ports import free_ports
 from tests.conftest import REPO, run_tool
 
 ENV_KEYS = ("env/episodes", "env/success_rate", "env/turns_mean", "env/failed", "env/errors", "env/timeouts",
@@ -33,7 +33,7 @@ def agentic_run(model: str, run_dir: str, *extra: str) -> list[str]:
             f"model.hf_path={model}", f"logging.dir={run_dir}", "trainer.total_steps=3",
             "trainer.global_batch_size=8", "trainer.micro_batch_size=8", "rollout.n_samples_per_prompt=4",
             "agentic.max_turns=3", f"agentic.max_tokens_per_turn={MAX_TOKENS_PER_TURN}",
-            f"engines.base_port={free_port()}", "logging.wandb_mode=disabled", "logging.tensorboard=false",
+            f"engines.base_port={free_ports(1)}", "logging.wandb_mode=disabled", "logging.tensorboard=false",
             *extra]
 
 

@@ -6,32 +6,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 
 import pytest
 
+from megatron_flash.ports import free_ports
 from megatron_flash.rollout.proxy import LLMProxy
 from megatron_flash.rollout.sglang_launcher import EngineLauncher, probe_health
 
-
-def free_ports(n: int) -> int:
-    """A base port with n free consecutive ports above it (checked, then released)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as t:
-                try:
-                    t.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-        if ok:
-            return base
-    raise RuntimeError("no free port range")
 
 
 @pytest.fixture

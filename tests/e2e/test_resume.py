@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from megatron_flash.trainer.distributed import free_port
+from megatron_flash.ports import free_ports
 from tests.conftest import REPO
 
 ALPHA, PROMPTS_PER_STEP, N, STEPS = 1, 4, 4, 30
@@ -80,7 +80,7 @@ def test_kill_minus_nine_and_resume_accounts_for_every_prompt(tiny_models, tmp_p
     rng = random.Random(0)
     kills = 0
     for attempt in range(8):
-        port = free_port()
+        port = free_ports(1)
         proc = start(command(tiny_models["llama"], run_dir, port), log_path)
         before = len(rows(ledger))
         if kills < 3:
@@ -116,7 +116,7 @@ def test_kill_minus_nine_and_resume_accounts_for_every_prompt(tiny_models, tmp_p
 
 def test_sigterm_saves_and_stops_cleanly(tiny_models, tmp_path) -> None:
     run_dir = str(tmp_path / "term")
-    port = free_port()
+    port = free_ports(1)
     proc = start(command(tiny_models["llama"], run_dir, port, "trainer.total_steps=500",
                          "checkpoint.save_interval=0"), str(tmp_path / "term.log"))
     try:

@@ -118,7 +118,8 @@ def _main() -> int:
     from megatron_flash.config.schema import OptimizerConfig
     from megatron_flash.rollout.engine_client import EngineClient
     from megatron_flash.rollout.sglang_launcher import EngineLauncher
-    from megatron_flash.trainer.distributed import destroy_distributed, free_port
+    from megatron_flash.trainer.distributed import destroy_distributed
+    from megatron_flash.ports import free_ports
     from megatron_flash.trainer.loss_adapter import nll_loss_fn
     from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
     from megatron_flash.weight_sync.bridge import WeightBridge, WeightSyncError
@@ -129,7 +130,7 @@ def _main() -> int:
     launcher = None
     shared: list = [None, None]
     if rank0:
-        launcher = EngineLauncher(backend="cpu", model_path=args.model_path, num_engines=2, base_port=free_port(),
+        launcher = EngineLauncher(backend="cpu", model_path=args.model_path, num_engines=2, base_port=free_ports(2),
                                   run_dir=args.run_dir, startup_timeout_s=180)
         launcher.__enter__()
         shared = [list(launcher.urls), list(launcher.pids)]

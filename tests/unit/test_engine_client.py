@@ -4,11 +4,11 @@ weight-update sessions. The reply shapes are SGLang 0.5.23's (see engine_client'
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import Any, Awaitable, Callable
 
 import pytest
 
+from megatron_flash.ports import free_ports
 from megatron_flash.rollout.engine_client import (EngineClient, EngineHTTPError, EngineTimeout,
                                                   EngineUnreachable, MalformedReply, WeightVersionSpan,
                                                   parse_generate_reply)
@@ -29,11 +29,6 @@ def run_with_fake(test: Callable[[FakeEngine, EngineClient], Awaitable[Any]], *,
 
     return asyncio.run(main())
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- parsing --------------------------------------------------------------------------------------
@@ -305,7 +300,7 @@ def test_generate_and_weight_updates_are_never_retried() -> None:
 
 def test_unreachable_engine() -> None:
     async def main() -> None:
-        url = f"http://127.0.0.1:{free_port()}"
+        url = f"http://127.0.0.1:{free_ports()}"
         client = EngineClient(url, max_retries=1, retry_backoff_s=0.01)
         with pytest.raises(EngineUnreachable, match=rf"^{url}/generate: cannot reach the engine"):
             await client.generate([1], {})

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ from typing import List
 import pytest
 
 from megatron_flash.config.schema import EngineConfig
+from megatron_flash.ports import free_ports
 from megatron_flash.rollout.sglang_launcher import (EngineCommand, EngineLauncher, EngineStartupError,
                                                     server_args_to_flags)
 
@@ -60,28 +60,6 @@ def dummy(tmp_path: Path) -> EngineCommand:
     script.write_text(DUMMY_SERVER)
     return EngineCommand((sys.executable, str(script)), tp_flag=None)
 
-
-def free_ports(n: int) -> int:
-    """A base port with n consecutive free ports after it."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            socks = []
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free consecutive ports")
 
 
 def alive(pid: int) -> bool:

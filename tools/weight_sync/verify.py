@@ -49,7 +49,8 @@ def main() -> int:
     from megatron_flash.config.schema import OptimizerConfig
     from megatron_flash.rollout.engine_client import EngineClient
     from megatron_flash.rollout.sglang_launcher import EngineLauncher
-    from megatron_flash.trainer.distributed import destroy_distributed, free_port
+    from megatron_flash.trainer.distributed import destroy_distributed
+    from megatron_flash.ports import free_ports
     from megatron_flash.trainer.loss_adapter import nll_loss_fn
     from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
     from megatron_flash.weight_sync.bridge import WeightBridge
@@ -61,7 +62,7 @@ def main() -> int:
     launcher = None
     urls = list(args.engine_url)
     if rank0 and not urls:
-        launcher = EngineLauncher(backend="cpu", model_path=args.model_path, base_port=free_port(),
+        launcher = EngineLauncher(backend="cpu", model_path=args.model_path, base_port=free_ports(args.num_engines),
                                   num_engines=args.num_engines, run_dir=tmp, startup_timeout_s=180)
         launcher.__enter__()
         urls = list(launcher.urls)

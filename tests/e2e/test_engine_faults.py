@@ -4,8 +4,13 @@ the proxy. Every request must complete exactly once, on the survivor, with a ful
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 
@@ -52,11 +57,60 @@ def test_killing_an_engine_loses_and_duplicates_nothing(two_engines) -> None:
 
 
 def weight_version(url: str) -> str:
-    import json
-    import urllib.request
-
     with urllib.request.urlopen(url + "/get_weight_version", timeout=10) as r:
         return json.load(r)["weight_version"]
+
+
+def rejoined(table: list) -> list:
+    """The steps whose push re-synced a restarted engine."""
+    return [r for r in table if r.get("engines_restarted")]
+
+
+def back_and_serving(table: list) -> bool:
+    """A restarted engine was re-synced and, at a later step, both engines were healthy."""
+    back = rejoined(table)
+    return bool(back) and any(r["engines_healthy"] == 2 for r in table if r["step"] > back[0]["step"])
+
+
+def assert_restarted_once_and_resynced(table: list, killed_after: int, fleet_versions: list) -> dict:
+    """Engine 0 (killed after `killed_after` rows) came back once, was re-synced, and served again."""
+    assert [r["step"] for r in table] == list(range(len(table)))
+    first = rejoined(table)
+    assert len(first) == 1, [(r["step"], r.get("engines_restarted")) for r in table]
+    first = first[0]
+    assert first["step"] >= killed_after - 1 and first["engine_restart_s"] > 0
+    # The push that re-admitted it probed every synced engine: the restarted one serves the trainer's weights.
+    assert first["engines_out_of_service"] == 0 and first["train_infer_logprob_diff"] <= 1e-4, first
+    assert table[-1]["engine_restarts"] == 1 and table[-1]["engines_healthy"] == 2
+    # ...and it generated again after the re-sync (the proxy's per-engine completions of each step's window).
+    later = [r for r in table if r["step"] > first["step"] + 1]
+    assert sum(r["engine0_requests"] for r in later) > 0, [(r["step"], r["engine0_requests"]) for r in table]
+    assert fleet_versions[0] == fleet_versions[1], fleet_versions  # both engines at the trainer's weights
+    return first
+
+
+class RunWatch:
+    """The rows of a run's metrics.jsonl as the run writes them; `proc` is the run."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.proc: subprocess.Popen | None = None
+
+    def rows(self) -> list:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def wait_for(self, what, timeout_s: float = 300.0) -> list:
+        alive = lambda: self.proc is not None and self.proc.poll() is None  # noqa: E731
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and alive():
+            table = self.rows()
+            if what(table):
+                return table
+            time.sleep(0.2)
+        raise AssertionError(f"gave up waiting; run alive: {alive()}; last rows: {self.rows()[-3:]}")
 
 
 def test_launcher_restarts_a_killed_engine_and_the_run_resyncs_it(tiny_models, tmp_path) -> None:
@@ -64,10 +118,6 @@ def test_launcher_restarts_a_killed_engine_and_the_run_resyncs_it(tiny_models, t
     must start it again, the next push must send it the trainer's weights, and it must serve again
     (the proxy re-admits it only at the fleet's version). The run is long; once that is seen it is
     stopped by SIGTERM (the pre-emption path) and must exit cleanly with no engine left behind."""
-    import json
-    import subprocess
-    import sys
-    import time
 
     from tests.conftest import REPO
 
@@ -81,34 +131,18 @@ def test_launcher_restarts_a_killed_engine_and_the_run_resyncs_it(tiny_models, t
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
     proc = subprocess.Popen([sys.executable] + args, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    watch = RunWatch(run_dir)
+    watch.proc = proc
     pid_path = os.path.join(run_dir, "engines", "engine_0.pid")
 
-    def rows() -> list:
-        if not os.path.exists(metrics_path):
-            return []
-        with open(metrics_path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-
-    def wait_for(what, timeout_s: float = 300.0) -> list:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and proc.poll() is None:
-            table = rows()
-            if what(table):
-                return table
-            time.sleep(0.2)
-        raise AssertionError(f"gave up waiting; run alive: {proc.poll() is None}; last rows: {rows()[-3:]}")
-
     try:
-        wait_for(lambda t: len(t) >= 3)
+        watch.wait_for(lambda t: len(t) >= 3)
         with open(pid_path) as f:
             victim = int(f.read())
-        killed_after = len(rows())
+        killed_after = len(watch.rows())
         os.kill(victim, signal.SIGKILL)
-        rejoined = lambda t: [r for r in t if r.get("engines_restarted")]  # noqa: E731
-        table = wait_for(lambda t: rejoined(t) and any(r["engines_healthy"] == 2 for r in t
-                                                         if r["step"] > rejoined(t)[0]["step"]))
-        wait_for(lambda t: len(t) >= len(table) + 3)  # it keeps serving for a few more steps
+        table = watch.wait_for(back_and_serving)
+        watch.wait_for(lambda t: len(t) >= len(table) + 3)  # it keeps serving for a few more steps
         with open(pid_path) as f:
             survivor = int(f.read())
         fleet_versions = [weight_version(f"http://127.0.0.1:{port + i}") for i in range(2)]
@@ -118,20 +152,9 @@ def test_launcher_restarts_a_killed_engine_and_the_run_resyncs_it(tiny_models, t
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-4000:]
-    table = rows()
-    assert [r["step"] for r in table] == list(range(len(table)))
     assert survivor != victim  # a new process serves engine 0
-    first = rejoined(table)
-    assert len(first) == 1, [(r["step"], r.get("engines_restarted")) for r in table]
-    first = first[0]
-    assert first["step"] >= killed_after - 1 and first["engine_restart_s"] > 0
-    # The push that re-admitted it probed every synced engine: the restarted one serves the trainer's weights.
-    assert first["engines_out_of_service"] == 0 and first["train_infer_logprob_diff"] <= 1e-4, first
-    assert table[-1]["engine_restarts"] == 1 and table[-1]["engines_healthy"] == 2
-    # ...and it generated again after the re-sync (the proxy's per-engine completions of each step's window).
-    later = [r for r in table if r["step"] > first["step"] + 1]
-    assert sum(r["engine0_requests"] for r in later) > 0, [(r["step"], r["engine0_requests"]) for r in table]
-    assert fleet_versions[0] == fleet_versions[1], fleet_versions  # both engines at the trainer's weights
+    table = watch.rows()
+    first = assert_restarted_once_and_resynced(table, killed_after, fleet_versions)
     with open(os.path.join(run_dir, "engines", "engine_0.log")) as f:
         starts = [line for line in f if line.startswith("# engine 0:")]
     assert len(starts) == 2, starts
@@ -147,11 +170,7 @@ def test_attached_engines_restarted_on_their_node_are_resynced_and_serve_again(t
     them (engines.backend=attach). Engine 0's server is killed (-9) mid-run: the trainer must take it
     out when its /health fails, the loop must start it again, and once it answers the next push must
     send it the trainer's weights and the proxy must route to it again; the run never stops."""
-    import json
     import shlex
-    import subprocess
-    import sys
-    import time
 
     from megatron_flash.rollout.sglang_launcher import EngineCommand
     from tests.conftest import REPO
@@ -180,22 +199,7 @@ def test_attached_engines_restarted_on_their_node_are_resynced_and_serve_again(t
             "engines.attach_probe_interval_s=0.2", "engines.attach_probe_failures=2",
             "logging.wandb_mode=disabled", "logging.tensorboard=false", "async_rl.alpha=1"]
     proc = None
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-
-    def rows() -> list:
-        if not os.path.exists(metrics_path):
-            return []
-        with open(metrics_path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-
-    def wait_for(what, timeout_s: float = 300.0) -> list:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and proc.poll() is None:
-            table = rows()
-            if what(table):
-                return table
-            time.sleep(0.2)
-        raise AssertionError(f"gave up waiting; run alive: {proc.poll() is None}; last rows: {rows()[-3:]}")
+    watch = RunWatch(run_dir)
 
     try:
         deadline = time.monotonic() + 180
@@ -205,14 +209,13 @@ def test_attached_engines_restarted_on_their_node_are_resynced_and_serve_again(t
         # transport, inherits it and lives on while the attached engines (its clients) do.
         log = open(tmp_path / "trainer.log", "w")
         proc = subprocess.Popen([sys.executable] + args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        wait_for(lambda t: len(t) >= 3)
+        watch.proc = proc
+        watch.wait_for(lambda t: len(t) >= 3)
         victim = server_pid(loops[0])
-        killed_after = len(rows())
+        killed_after = len(watch.rows())
         os.kill(victim, signal.SIGKILL)
-        rejoined = lambda t: [r for r in t if r.get("engines_restarted")]  # noqa: E731
-        table = wait_for(lambda t: rejoined(t) and any(r["engines_healthy"] == 2 for r in t
-                                                         if r["step"] > rejoined(t)[0]["step"]))
-        wait_for(lambda t: len(t) >= len(table) + 3)  # it keeps serving for a few more steps
+        table = watch.wait_for(back_and_serving)
+        watch.wait_for(lambda t: len(t) >= len(table) + 3)  # it keeps serving for a few more steps
         survivor = server_pid(loops[0])
         fleet_versions = [weight_version(u) for u in urls]
         proc.send_signal(signal.SIGTERM)
@@ -231,18 +234,9 @@ def test_attached_engines_restarted_on_their_node_are_resynced_and_serve_again(t
     log.close()
     assert proc.returncode == 0, (tmp_path / "trainer.log").read_text()[-4000:]
     assert codes == [143, 143]  # the loops stopped their servers on SIGTERM
-    table = rows()
-    assert [r["step"] for r in table] == list(range(len(table)))
     assert survivor != victim  # the loop started a new server for engine 0
-    first = rejoined(table)
-    assert len(first) == 1, [(r["step"], r.get("engines_restarted")) for r in table]
-    first = first[0]
-    assert first["step"] >= killed_after - 1 and first["engine_restart_s"] > 0
-    assert first["engines_out_of_service"] == 0 and first["train_infer_logprob_diff"] <= 1e-4, first
-    assert table[-1]["engine_restarts"] == 1 and table[-1]["engines_healthy"] == 2
-    later = [r for r in table if r["step"] > first["step"] + 1]
-    assert sum(r["engine0_requests"] for r in later) > 0, [(r["step"], r["engine0_requests"]) for r in table]
-    assert fleet_versions[0] == fleet_versions[1], fleet_versions
+    table = watch.rows()
+    first = assert_restarted_once_and_resynced(table, killed_after, fleet_versions)
     with open(tmp_path / "engine0.log") as f:
         text = f.read()
     assert text.count("started (pid") == 2 and "starting it again" in text
@@ -253,8 +247,6 @@ def test_attached_engines_restarted_on_their_node_are_resynced_and_serve_again(t
 
 
 def test_supervisor_restarts_up_to_max_restarts_then_leaves_it_down(tiny_models, tmp_path) -> None:
-    import time
-
     downs = []
     launcher = EngineLauncher(backend="cpu", model_path=tiny_models["llama"], num_engines=1,
                               base_port=free_ports(1), run_dir=str(tmp_path), startup_timeout_s=180)
@@ -289,11 +281,6 @@ def test_colocated_run_releases_engine_memory_every_step_and_serves_pushed_weigh
     """engines.colocate=true: before each train step both engines pause and release their memory;
     the push takes it back (weights, new values, KV cache). Every step's probe must find the engines
     serving exactly the trainer's weights (a missed push would leave zeros), staleness 0."""
-    import json
-    import subprocess
-    import sys
-    import time
-    import urllib.request
 
     from tests.conftest import REPO
 

@@ -108,18 +108,37 @@ def build_app(engine: Any, *, api_key: str | None = None, host: str = "127.0.0.1
     async def on_body_error(request: Request, error: BodyError) -> JSONResponse:
         return bad_request(str(error))
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next: Any) -> Any:
-        path = request.url.path
-        if not path.startswith(("/health", "/ready")):
-            if api_key is not None:
-                scheme, _, token = request.headers.get("authorization", "").partition(" ")
-                if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
-                    return JSONResponse({"error": "Unauthorized"}, status_code=401)
-            elif path in _WEIGHT_ENDPOINTS and not weight_updates_exposed:
-                return JSONResponse({"error": f"{path} is disabled on a non-loopback host without --api-key"},
-                                    status_code=403)
-        return await call_next(request)
+    def refusal(scope: dict) -> JSONResponse | None:
+        path = scope["path"]
+        if path.startswith(("/health", "/ready")):
+            return None
+        if api_key is not None:
+            auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        elif path in _WEIGHT_ENDPOINTS and not weight_updates_exposed:
+            return JSONResponse({"error": f"{path} is disabled on a non-loopback host without --api-key"},
+                                status_code=403)
+        return None
+
+    class Authorize:
+        """The token check (SGLang's --api-key: `Authorization: Bearer KEY`) and the weight-endpoint guard
+        as plain ASGI middleware: Starlette's BaseHTTPMiddleware (`@app.middleware("http")`) runs every
+        request through an extra task and memory streams, which cost the engine's one event loop
+        ~0.3 ms per request (benchmarks/engine_step_cost.py --loop-k; docs/benchmarks.md)."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+            denied = refusal(scope) if scope["type"] == "http" else None
+            if denied is not None:
+                await denied(scope, receive, send)
+                return
+            await self.inner(scope, receive, send)
+
+    app.add_middleware(Authorize)
 
     # ---------------------------------------------------------------- status
     @app.get("/health")

@@ -20,6 +20,12 @@ makespan); the benchmarks' outputs are never fitted. Three cost sets:
                stage of async_vs_sync's synchronous (α = 0) run equals the measured one (0.846 s on the
                2-core box, 0.870 s on the 16-core box). Every other row on that machine is a prediction.
 
+Same-hour rows (2026-11-24): async_vs_sync, queue_scheduling and prompt_replication re-run on the 2-core box
+within minutes of fresh decode-step curves and closed-loop request costs (engine_step_cost.py) for both
+models; `alone` there uses those and the run's own rollout-thread CPU per request, nothing fitted. They are
+summarised apart: older rows compare runs with engine curves taken hours or sessions away, and the CPU
+engine's curve drifts with box, hour and load.
+
 Measured numbers: constants below, each with where it comes from (docs/benchmarks.md); with `--runs DIR`
 the ones that have run directories (DIR/bench_async_vs_sync, bench_queue_s3, bench_pr_s3_8, bench_pr_s3:
 metrics.jsonl per run, not in git) are recomputed from them (the benchmarks' steady-state means).
@@ -53,6 +59,21 @@ STEP16_L2_H64 = [(1, 0.0022), (4, 0.0029), (8, 0.0039), (16, 0.0050), (64, 0.009
 # "rep8_s5" below: `OMP_NUM_THREADS=1 python benchmarks/engine_step_cost.py --k 1,2,4,8,16,32,64`.
 STEP_S5_L2_H64 = [(1, 0.00138), (2, 0.00156), (4, 0.00182), (8, 0.00239), (16, 0.00241), (32, 0.00398),
                   (64, 0.00798)]
+# The 4 × 160 curve re-measured on the 2-core box on 2026-11-24 14:21 (load 0.5), minutes after the "avs2_s7"
+# run below and after the CPU server's cheaper request path (f55fc73): `OMP_NUM_THREADS=1 python
+# benchmarks/engine_step_cost.py --num-layers 4 --hidden-size 160 --k 1,4,8,16,32 --loop-k 8,21 --short 4
+# --long 24`; closed loop at 21 running (the run's cap): 1.22 ms engine seconds per request.
+STEP_S7_L4_H160 = [(1, 0.001917), (4, 0.002328), (8, 0.002784), (16, 0.00352), (32, 0.004992)]
+ENGINE_PER_REQUEST_S7 = 0.00122
+# That run's rollout thread: 0.085 CPU-s per 128-sample step at α = 0 (/proc) = 0.66 ms per request.
+# The 2 × 64 curve on the same day, 14:23 (load 0.5), just before the "rep8_s7" and "queue_s7" runs:
+# `OMP_NUM_THREADS=1 python benchmarks/engine_step_cost.py --k 1,2,4,8,16,32,64 --loop-k 4,8 --loop-n 1,8
+# --short 4 --long 24`. Re-measured at 14:26, after them: within 5 % except k = 8 (2.57 ms, one outlier).
+# Closed loop (n = 1), before / after: 4 running 1.16 / 1.08 ms per request, 8 running 0.92 / 0.82 ms.
+STEP_S7_L2_H64 = [(1, 0.00117), (2, 0.0013), (4, 0.00146), (8, 0.00164), (16, 0.00205), (32, 0.00312),
+                  (64, 0.00509)]
+ENGINE_PER_REQUEST_S7_CAP4, ENGINE_PER_REQUEST_S7_CAP8 = 0.00112, 0.00087
+CLIENT_CPU_PER_REQUEST_S7 = 0.00066
 # The decode-step figures recorded in session 2 (benchmarks/queue_scheduling.py docstring, docs/benchmarks.md
 # "What limits each speedup"): measured at 08:40 on 2026-11-22 while other jobs kept the load at 4-9.
 STEP_SESSION2 = [(1, 0.0032), (4, 0.0040), (16, 0.0072), (64, 0.018)]
@@ -87,6 +108,11 @@ MEASURED: dict[str, dict] = {
     "avs2": {"sync": 1.751, "sync_rounds": [1.766, 1.719, 1.768], "async": 0.991, "async_rounds": [0.954, 1.084, 0.934],
              "rollout": 0.846, "train": 0.803, "sync_s": 0.102, "train_async": 0.888, "sync_s_async": 0.102,
              "response_len_mean": 10.15, "runs": "bench_async_vs_sync", "skip": 3},
+    # 2-core box, 2026-11-24 14:18, quiet (load 0.03), after f55fc73: `OMP_NUM_THREADS=1 python
+    # benchmarks/async_vs_sync.py --rounds 3` (docs/benchmarks.md, issue-6 table, the re-run row).
+    "avs2_s7": {"sync": 1.120, "sync_rounds": [1.131, 1.117, 1.111], "async": 0.7345,
+                "async_rounds": [0.729, 0.732, 0.743], "rollout": 0.4385, "train": 0.613, "sync_s": 0.0684,
+                "train_async": 0.6656, "sync_s_async": 0.0687, "response_len_mean": 10.18},
     # 16-core GPU box, GPU hidden, uncontended (session 3, docs "GPU box"): 2 rounds per mode.
     "avs16": {"sync": 1.876, "sync_rounds": [1.903, 1.849], "async": 1.012, "async_rounds": [1.010, 1.014],
               "rollout": 0.870, "train": 0.902, "sync_s": 0.104, "train_async": 0.902, "sync_s_async": 0.109,
@@ -114,6 +140,14 @@ MEASURED: dict[str, dict] = {
     # `OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --chunk 4 --rounds 2`.
     "rep8_s5": {"off": 0.496, "off_rounds": [0.491, 0.501], "on": 0.460, "on_rounds": [0.497, 0.423],
                 "chunk4": 0.502, "chunk4_rounds": [0.448, 0.557]},
+    # The same two benchmarks on 2026-11-24, 2-core box, minutes after STEP_S7_L2_H64 (load 0.7-2.4: the two
+    # engines and the trainer): `OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --chunk 4 --rounds 2
+    # --out runs/bench_pr_s7` (14:24) and `OMP_NUM_THREADS=1 python benchmarks/queue_scheduling.py --out
+    # runs/bench_queue_s7` (14:25).
+    "rep8_s7": {"off": 0.3492, "off_rounds": [0.366, 0.333], "on": 0.2466, "on_rounds": [0.237, 0.256],
+                "chunk4": 0.3216, "chunk4_rounds": [0.314, 0.330]},
+    "queue_s7": {"batch": 0.7878, "batch_rounds": [0.813, 0.763], "queue": 0.7344, "queue_rounds": [0.743, 0.726],
+                 "no_extra": 0.7086, "no_extra_rounds": [0.707, 0.710]},
     # env_async.py, 64 env instances, medians of 3 interleaved runs, quiet box (docs "Env-level async").
     "env300": {"batch": 45.1, "async": 16.9},
     "env100": {"batch": 25.3, "async": 13.6},
@@ -239,9 +273,10 @@ def row(bench: str, what: str, command: str, measured: float, rounds: list[float
 def async_vs_sync(key: str, sets: list[CostSet], req: dict[str, float], *, seeds: int, steps: int) -> list[dict]:
     """One engine (21 running), α = 2 vs α = 0, measured train and sync seconds per step."""
     m = MEASURED[key]
-    machine = "2-core box" if key == "avs2" else "16-core box"
-    cmd = ("python benchmarks/async_vs_sync.py --rounds 3" if key == "avs2" else
-           "CUDA_VISIBLE_DEVICES= python benchmarks/async_vs_sync.py --rounds 2 (GPU box)")
+    machine = {"avs2": "2-core box", "avs2_s7": "2-core box, 2026-11-24 curve"}.get(key, "16-core box")
+    cmd = {"avs2": "python benchmarks/async_vs_sync.py --rounds 3",
+           "avs2_s7": "OMP_NUM_THREADS=1 python benchmarks/async_vs_sync.py --rounds 3 (2026-11-24)"}.get(
+        key, "CUDA_VISIBLE_DEVICES= python benchmarks/async_vs_sync.py --rounds 2 (GPU box)")
     work = avs_work(m)
     s0, a2, a2b = {}, {}, {}
     for cs in sets:
@@ -259,11 +294,12 @@ def async_vs_sync(key: str, sets: list[CostSet], req: dict[str, float], *, seeds
             row(bench, "speedup", cmd, m["sync"] / m["async"], [], {k: s0[k] / a2b[k] for k in s0})]
 
 
-def queue_scheduling(sets: list[CostSet], req: dict[str, float], *, seeds: int, steps: int) -> list[dict]:
+def queue_scheduling(sets: list[CostSet], req: dict[str, float], *, seeds: int, steps: int,
+                     key: str = "queue") -> list[dict]:
     """queue_scheduling.py defaults: 16 kept groups × 8 per step, 2 engines × 4 running, α = 0, rollout only,
     nonzero_std filter (keep 0.558); batch = rounds of every missing group, queue = the product with
     extra_prompts=4, no_extra = extra_prompts=0."""
-    m = MEASURED["queue"]
+    m = MEASURED[key]
     work = planner.Workload(batch_size=128, group_size=8, prompt_len=2, lengths=hist_lengths(), keep_prob=KEEP_PROB)
     out: dict[str, dict[str, float]] = {"batch": {}, "queue": {}, "no_extra": {}}
     for cs in sets:
@@ -274,6 +310,9 @@ def queue_scheduling(sets: list[CostSet], req: dict[str, float], *, seeds: int, 
         out["no_extra"][cs.name] = sim(work, c, **kw).sec_per_step
     cmd = "python benchmarks/queue_scheduling.py --out runs/bench_queue_s3"
     b = "queue scheduling (2 engines × 4 running, α=0, filter)"
+    if key == "queue_s7":
+        cmd = "OMP_NUM_THREADS=1 python benchmarks/queue_scheduling.py --out runs/bench_queue_s7 (2026-11-24)"
+        b += ", 2026-11-24 curve"
     return [row(b, "batch s/step", cmd, m["batch"], m["batch_rounds"], out["batch"]),
             row(b, "queue + 4 redundant s/step", cmd, m["queue"], m["queue_rounds"], out["queue"]),
             row(b, "queue, no redundancy s/step", cmd, m["no_extra"], m["no_extra_rounds"], out["no_extra"]),
@@ -304,6 +343,9 @@ def prompt_replication(slots: int, sets: list[CostSet], req: dict[str, float], *
     if key == "rep8_s5":
         cmd = "OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --chunk 4 --rounds 2 (session 5)"
         b += ", 2-core box, session 5 curve"
+    if key == "rep8_s7":
+        cmd = "OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --chunk 4 --rounds 2 --out runs/bench_pr_s7"
+        b += ", 2026-11-24 curve"
     if key == "rep8_16core":
         cmd = "CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --rounds 1 --chunk 4 (GPU box)"
         b += ", 16-core box"
@@ -393,6 +435,28 @@ def validate(*, seeds: int, steps: int, log: Callable[[str], None] = print) -> d
     rows += prompt_replication(8, [CostSet("alone", step_small=STEP_S5_L2_H64),
                                    CostSet("stage time", step_small=STEP_S5_L2_H64)], req, seeds=seeds, steps=steps,
                                key="rep8_s5")
+    # 2-core box, 2026-11-24: async_vs_sync re-run minutes before a fresh 4 × 160 curve and closed-loop request
+    # cost (after the CPU server's cheaper request path); the stage-time set solves its own request cost from
+    # this run's α = 0 rollout stage, so only its α = 2 rows are predictions.
+    s7 = dict(step_large=STEP_S7_L4_H160, request_s=ENGINE_PER_REQUEST_S7, client_s=CLIENT_CPU_PER_REQUEST_S7)
+    alone7 = CostSet("alone", **s7)
+    req7 = {"stage time": fit_request_cost(MEASURED["avs2_s7"], alone7, seeds=seeds, steps=steps)}
+    log(f"2026-11-24 2-core run: engine seconds per request solved from its α = 0 stage "
+        f"{req7['stage time'] * 1e3:.2f} ms (closed loop alone {ENGINE_PER_REQUEST_S7 * 1e3:.2f} ms)")
+    same_hour = async_vs_sync("avs2_s7", [alone7, CostSet("stage time", **s7)], req7, seeds=seeds, steps=steps)
+    # Same day: queue scheduling and replication next to a fresh 2 × 64 curve; `alone` takes the closed-loop
+    # request cost at the benchmark's running requests, `stage time` the one solved from avs2_s7.
+    fitted7 = CostSet("stage time", step_small=STEP_S7_L2_H64, client_s=CLIENT_CPU_PER_REQUEST_S7)
+    same_hour += queue_scheduling([CostSet("alone", step_small=STEP_S7_L2_H64, request_s=ENGINE_PER_REQUEST_S7_CAP4,
+                                           client_s=CLIENT_CPU_PER_REQUEST_S7), fitted7], req7, seeds=seeds,
+                                  steps=steps, key="queue_s7")
+    same_hour += prompt_replication(8, [CostSet("alone", step_small=STEP_S7_L2_H64,
+                                                request_s=ENGINE_PER_REQUEST_S7_CAP8,
+                                                client_s=CLIENT_CPU_PER_REQUEST_S7), fitted7], req7, seeds=seeds,
+                                    steps=steps, key="rep8_s7")
+    for r in same_hour:
+        r["same_hour"] = True  # every input measured within minutes of the benchmark, on the same box
+    rows += same_hour
     rows += async_vs_sync("avs16", [alone, fitted], req16, seeds=seeds, steps=steps)
     # 16-core box: its own decode-step curve for the 2 × 64 model; the stage-time set keeps the per-request
     # engine seconds solved from that box's async_vs_sync stage (with the 2-core 4 × 160 curve: the 16-core
@@ -400,7 +464,10 @@ def validate(*, seeds: int, steps: int, log: Callable[[str], None] = print) -> d
     alone16 = CostSet("alone", step_small=STEP16_L2_H64)
     fitted16 = CostSet("stage time", step_small=STEP16_L2_H64)
     rows += prompt_replication(8, [alone16, fitted16], req16, seeds=seeds, steps=steps, key="rep8_16core")
+    for r in rows:
+        r.setdefault("same_hour", False)
     return {"rows": rows, "request_engine_s": {"2-core": round(req["stage time"], 6),
+                                               "2-core 2026-11-24": round(req7["stage time"], 6),
                                                "16-core": round(req16["stage time"], 6)}}
 
 
@@ -459,6 +526,12 @@ def main(argv: list[str] | None = None) -> int:
         s = summ[c]
         print(f"{c:>10}: {s['within_15pct']} of {s['held_out']} predictions within ±15 %, largest error "
               f"{s['max_abs_error']:.0%}")
+    same = [r for r in rows if r["same_hour"]]
+    summ_same = {c: summary(same, c) for c in ("alone", "stage time")}
+    print("rows whose inputs were measured within minutes of the benchmark (2026-11-24, 2-core box):")
+    for c, s in summ_same.items():
+        print(f"{c:>10}: {s['within_15pct']} of {s['held_out']} predictions within ±15 %, largest error "
+              f"{s['max_abs_error']:.0%}")
     shape = None
     if args.paper_shape:
         print(f"\npaper shape: 7B on H100, lognormal lengths mean {args.sweep_len_mean:.0f} (≤ {args.sweep_max_len}), "
@@ -468,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
                             max_len=args.sweep_max_len, len_mean=args.sweep_len_mean, alpha=args.alpha,
                             sigma_gpus=args.sigma_gpus)
     print(f"({time.time() - t0:.0f} s)")
-    print(json.dumps({"rows": rows, "summary": summ, "request_engine_s": out["request_engine_s"],
+    print(json.dumps({"rows": rows, "summary": summ, "summary_same_hour": summ_same, "request_engine_s": out["request_engine_s"],
                       "keep_prob": round(KEEP_PROB, 4), "lengths": args.lengths, "sources": sources,
                       "paper_shape": shape}))
     return 0

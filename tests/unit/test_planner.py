@@ -229,6 +229,21 @@ def test_validation_predicts_the_uncontended_async_step_from_the_sync_stage_time
         assert abs(rows[what]["error"]["stage time"]) <= 0.05, rows[what]
 
 
+def test_validation_with_same_hour_inputs_predicts_async_vs_sync_unfitted():
+    """The 2026-11-24 async_vs_sync run (sync 1.120 s/step, α = 2 0.735 s, 1.525×) against the decode curve and
+    closed-loop request cost measured minutes later, nothing fitted: the planner's sync step and speedup
+    land within 5 %, and the request cost solved from the run's own α = 0 stage agrees with the closed
+    loop's 1.22 ms to within 25 % (both figures independent of the planner: /proc and wall clocks)."""
+    vp = _validate_planner()
+    alone = vp.CostSet("alone", step_large=vp.STEP_S7_L4_H160, request_s=vp.ENGINE_PER_REQUEST_S7,
+                       client_s=vp.CLIENT_CPU_PER_REQUEST_S7)
+    rows = {r["what"]: r for r in vp.async_vs_sync("avs2_s7", [alone], {}, seeds=1, steps=12)}
+    for what in ("sync (α=0) s/step", "async (α=2) s/step, α=2 run's train/sync times", "speedup"):
+        assert abs(rows[what]["error"]["alone"]) <= 0.05, rows[what]
+    p = vp.fit_request_cost(vp.MEASURED["avs2_s7"], alone, seeds=1, steps=12)
+    assert abs(p - 0.00122) <= 0.25 * 0.00122, p
+
+
 def test_validation_reads_measured_outputs_from_run_directories(tmp_path, monkeypatch):
     vp = _validate_planner()
     monkeypatch.setattr(vp, "MEASURED", copy.deepcopy(vp.MEASURED))

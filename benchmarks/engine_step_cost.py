@@ -19,6 +19,11 @@ loop_step_s(k) = k · (T_long − T_short) / (N · (L_long − L_short)); the en
 (from /proc) give the same two per request in CPU time (`loop_cpu_*`), which other load on the
 machine inflates less than wall time.
 
+`--loop-prompt-len 2,100` runs each closed loop with prompts of those lengths (default 2): the difference in
+per-request cost over the difference in length is the engine's seconds per prefilled token, what a multi-turn
+episode pays again each turn on an engine without a prefix cache (the CPU server). `--max-batch-tokens`
+sets the server's tokens per forward step (env_async.py uses 512).
+
 `--loop-n 1,8` also runs each closed loop with requests of one prompt and n = 8 sampled sequences
 (SGLang's `sampling_params.n`, how the rollout sends a group without prompt replication), the same
 number of sequences in all: k workers then keep k · n sequences running, and `loop_per_request_s` is
@@ -54,9 +59,15 @@ async def timed(url: str, k: int, length: int) -> float:
     return took
 
 
-async def closed_loop(url: str, k: int, length: int, total: int, n: int = 1) -> float:
+def loop_prompt(length: int) -> list[int]:
+    """The closed loop's prompt: [1, 5] (the default, length 2) or `length` tokens of the same kind."""
+    return [1] + [5 + i % 40 for i in range(length - 1)]  # the tiny tokenizer has 48 ids
+
+
+async def closed_loop(url: str, k: int, length: int, total: int, n: int = 1, prompt_len: int = 2) -> float:
     """k workers, each sending its next request (n sampled sequences) as soon as its last returns, `total`
     requests in all."""
+    prompt = loop_prompt(prompt_len)
     from megatron_flash.rollout.engine_client import EngineClient
 
     params = {"temperature": 1.0, "max_new_tokens": length, "ignore_eos": True}
@@ -65,7 +76,7 @@ async def closed_loop(url: str, k: int, length: int, total: int, n: int = 1) -> 
     async def worker(client: EngineClient) -> None:
         while left[0] > 0:
             left[0] -= 1
-            outs = await client.generate_n([1, 5], params, n, return_logprob=True)
+            outs = await client.generate_n(prompt, params, n, return_logprob=True)
             assert len(outs) == n and all(len(o.output_ids) == length for o in outs)
 
     async with EngineClient(url) as client:
@@ -92,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loop-requests", type=int, default=256)
     p.add_argument("--loop-n", default="1", help="sampled sequences per closed-loop request (SGLang n), e.g. 1,8")
     p.add_argument("--skip-batch", action="store_true", help="only the closed loop")
+    p.add_argument("--loop-prompt-len", default="2",
+                   help="closed-loop prompt lengths, e.g. 2,100: the difference in per-request cost is prefill")
+    p.add_argument("--max-batch-tokens", type=int, default=0,
+                   help="CPU server tokens per forward step (0: max(256, 4 x the most running))")
     args = p.parse_args(argv)
 
     from benchmarks.benchlib import env, free_ports
@@ -105,10 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     ks = [] if args.skip_batch else [int(x) for x in args.k.split(",")]
     loop_ks = [int(x) for x in args.loop_k.split(",") if x]
     loop_ns = [int(x) for x in args.loop_n.split(",") if x]
+    loop_ps = [int(x) for x in args.loop_prompt_len.split(",") if x]
+    if any(x < 1 for x in loop_ps):
+        p.error(f"--loop-prompt-len {args.loop_prompt_len!r}: lengths must be >= 1")
     most = max(ks + [k * max(loop_ns) for k in loop_ks])
-    blocks = most * -(-(4 + args.long) // 16) + 16
+    blocks = most * -(-(max(4, *loop_ps) + args.long) // 16) + 16
     launcher = EngineLauncher(backend="cpu", model_path=model, num_engines=1, base_port=free_ports(1), run_dir=work,
-                              server_args={"num-blocks": blocks, "max-batch-tokens": max(256, most * 4)},
+                              server_args={"num-blocks": blocks,
+                                           "max-batch-tokens": args.max_batch_tokens or max(256, most * 4)},
                               env={"OMP_NUM_THREADS": "1"})
     step, per_req = {}, {}
     with launcher:
@@ -123,26 +142,26 @@ def main(argv: list[str] | None = None) -> int:
                   f"step {step[k] * 1e3:.2f} ms, per request {per_req[k] * 1e3:.2f} ms", flush=True)
         loop: dict[str, dict[str, float]] = {}
         pid, n = launcher.pids[0], args.loop_requests
-        for k in loop_ks:
-            for m in loop_ns:
-                reqs = max(1, n // m)  # the same number of sequences for every n
-                t, c = {}, {}
-                for L in (args.short, args.long):
-                    c0 = cpu_seconds(pid)
-                    t[L] = asyncio.run(closed_loop(url, k, L, reqs, m))
-                    c[L] = cpu_seconds(pid) - c0
-                span = reqs * (args.long - args.short)
-                row = {"loop_per_request_s": (args.long * t[args.short] - args.short * t[args.long]) / span,
-                       "loop_step_s": k * (t[args.long] - t[args.short]) / span,
-                       "loop_cpu_per_request_s": (args.long * c[args.short] - args.short * c[args.long]) / span,
-                       "loop_cpu_step_s": k * (c[args.long] - c[args.short]) / span,
-                       "engine_busy_frac": (c[args.short] + c[args.long]) / (t[args.short] + t[args.long])}
-                loop[str(k) if m == 1 else f"{k}x{m}"] = {key: round(v, 6) for key, v in row.items()}
-                print(f"closed loop k={k:>3} n={m}: T({args.short})={t[args.short]:.3f} s T({args.long})="
-                      f"{t[args.long]:.3f} s for {reqs} requests → per request "
-                      f"{row['loop_per_request_s'] * 1e3:.2f} ms (CPU {row['loop_cpu_per_request_s'] * 1e3:.2f}), "
-                      f"step {row['loop_step_s'] * 1e3:.2f} ms (CPU {row['loop_cpu_step_s'] * 1e3:.2f}), "
-                      f"engine busy {row['engine_busy_frac']:.2f}", flush=True)
+        for k, m, plen in [(k, m, q) for k in loop_ks for m in loop_ns for q in loop_ps]:
+            reqs = max(1, n // m)  # the same number of sequences for every n
+            t, c = {}, {}
+            for L in (args.short, args.long):
+                c0 = cpu_seconds(pid)
+                t[L] = asyncio.run(closed_loop(url, k, L, reqs, m, plen))
+                c[L] = cpu_seconds(pid) - c0
+            span = reqs * (args.long - args.short)
+            row = {"loop_per_request_s": (args.long * t[args.short] - args.short * t[args.long]) / span,
+                   "loop_step_s": k * (t[args.long] - t[args.short]) / span,
+                   "loop_cpu_per_request_s": (args.long * c[args.short] - args.short * c[args.long]) / span,
+                   "loop_cpu_step_s": k * (c[args.long] - c[args.short]) / span,
+                   "engine_busy_frac": (c[args.short] + c[args.long]) / (t[args.short] + t[args.long])}
+            name = (str(k) if m == 1 else f"{k}x{m}") + ("" if plen == 2 else f"p{plen}")
+            loop[name] = {key: round(v, 6) for key, v in row.items()}
+            print(f"closed loop k={k:>3} n={m} prompt {plen}: T({args.short})={t[args.short]:.3f} s T({args.long})="
+                  f"{t[args.long]:.3f} s for {reqs} requests → per request "
+                  f"{row['loop_per_request_s'] * 1e3:.2f} ms (CPU {row['loop_cpu_per_request_s'] * 1e3:.2f}), "
+                  f"step {row['loop_step_s'] * 1e3:.2f} ms (CPU {row['loop_cpu_step_s'] * 1e3:.2f}), "
+                  f"engine busy {row['engine_busy_frac']:.2f}", flush=True)
     print(json.dumps({"num_layers": args.num_layers, "hidden_size": args.hidden_size,
                       "step_s": {str(k): round(v, 6) for k, v in step.items()},
                       "per_request_s": {str(k): round(v, 6) for k, v in per_req.items()}, "closed_loop": loop,

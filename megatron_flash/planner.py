@@ -45,6 +45,8 @@ at most the step that is due to train it; nothing is discarded; staleness ≤ α
     request_engine_s: engine-exclusive seconds per request: the engine decodes nothing meanwhile (a
          CPU engine's HTTP handling, admission and prefill under one GIL); k requests cost k times it
     client_per_request_s: the rollout client handles requests one at a time before they start
+    prefill_token_engine_s: engine-exclusive seconds per prefilled token: the prompt, and at each later turn
+         the env's appended tokens (prefix_cache) or the whole conversation again (no prefix cache)
 
 Worked example (tests/unit/test_planner.py): two stages of 1 s each, constant lengths, α ≥ 1 →
 1 s/step vs 2 s/step synchronous: speedup 2, the ceiling for two balanced stages.
@@ -121,6 +123,9 @@ class Workload:
     rewards are all equal); a dropped group frees its admission slot and another prompt starts."""
     max_inflight_groups: int = 0
     """Groups generating at once at most (agentic: env instances / group size); 0 = bounded by α only."""
+    turn_tokens: int = 0
+    """Agentic: tokens each environment turn appends to the conversation (observation and chat template),
+    prefilled before the next turn (see `Costs.prefill_token_engine_s`)."""
 
 
 @dataclasses.dataclass
@@ -149,6 +154,13 @@ class Costs:
     client_per_request_s: float = 0.0
     """Seconds of the rollout client (one asyncio loop: scheduler, proxy, HTTP, rewards) per request;
     requests pass it one at a time before they reach an engine, so it caps requests/s."""
+    prefill_token_engine_s: float = 0.0
+    """Engine-exclusive seconds per prefilled token beyond the short prompt `request_engine_s` was measured
+    with (`benchmarks/engine_step_cost.py --loop-prompt-len 2,100`): charged for the prompt at a request's
+    first turn and, at each later turn of an episode, for the tokens the engine has not cached."""
+    prefix_cache: bool = True
+    """The engine keeps a finished turn's KV (SGLang's radix cache): a later turn prefills only the tokens the
+    environment appended (`Workload.turn_tokens`). False (the CPU server): the whole conversation again."""
 
     @classmethod
     def from_models(cls, *, model: ModelSpec, gpu: GPUSpec, engine_tp: int, mean_ctx: float, max_ctx: float,
@@ -287,7 +299,8 @@ def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int,
             # each member decodes its own length and leaves the batch when it ends (the engine stops a
             # finished member); the request's turn ends with its longest member, then the slowest env step
             segs = [([x[k][0] for x in part], max(x[k][1] for x in part)) for k in range(work.num_turns)]
-            requests.append({"segs": segs, "turn": 0, "gid": gid, "w": len(part), "left_m": 0, "live": True})
+            requests.append({"segs": segs, "turn": 0, "gid": gid, "w": len(part), "left_m": 0, "live": True,
+                             "ctx": work.prompt_len})
             ids.append(len(requests) - 1)
         groups.append({"v": st["version"], "left": len(ids), "keep": keep, "reqs": ids, "done": False})
         live.add(gid)
@@ -362,11 +375,18 @@ def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int,
             pre = extra_s / costs.decode_step(eng.slots + r["w"]) if extra_s else 0.0
             eng.slots += r["w"]
             eng.held += r["w"]  # admitted jointly: all members need a slot, freed when the last ends
-            eng.stall += costs.request_engine_s
+            eng.stall += costs.request_engine_s + costs.prefill_token_engine_s * prefill_tokens(r)
             r["left_m"] = r["w"]
             for length in r["segs"][r["turn"]][0]:
                 heapq.heappush(eng.ends, (eng.S + length + pre, rid))
         queue[:] = keep
+
+    def prefill_tokens(r: dict) -> int:
+        """Tokens this turn of the request prefills: the prompt at turn 0; later, what the engine has not
+        cached (with a prefix cache the appended env tokens, without it the whole conversation)."""
+        if r["turn"] == 0 or not costs.prefix_cache:
+            return r["ctx"]
+        return work.turn_tokens
 
     def group_done(gid: int) -> None:
         g = groups[gid]
@@ -455,6 +475,7 @@ def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int,
             if r["left_m"]:
                 pass  # the request's other members are still decoding
             elif r["turn"] + 1 < work.num_turns:
+                r["ctx"] += max(r["segs"][r["turn"]][0]) + work.turn_tokens  # the response, then the env's tokens
                 r["turn"] += 1
                 latency = r["segs"][r["turn"] - 1][1]
                 if wave and env_mode == "batch":

@@ -68,6 +68,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
       help="engine-exclusive seconds per request (adds up over concurrent requests; CPU engine: HTTP, "
            "admission, prefill under one GIL; benchmarks/engine_step_cost.py --loop-k measures it)")
     a("--client-per-request-s", type=float, default=0.0, help="rollout client seconds per request (serial)")
+    a("--turn-tokens", type=int, default=0, help="agentic: tokens each env turn appends (observation + template)")
+    a("--prefill-token-engine-s", type=float, default=0.0,
+      help="engine-exclusive seconds per prefilled token (benchmarks/engine_step_cost.py --loop-prompt-len 2,100)")
+    a("--no-prefix-cache", action="store_true",
+      help="engines re-prefill the whole conversation each turn (the CPU server; SGLang caches prefixes)")
     a("--mfu", type=float, default=0.4)
     a("--max-running", type=int, default=256)
     a("--sync-overhead-s", type=float, default=1.0)
@@ -119,7 +124,7 @@ def build(args: argparse.Namespace):
         if args.env_latency_mean > 0 else 0.0)
     work = planner.Workload(batch_size=args.batch_size, group_size=args.group_size, prompt_len=args.prompt_len,
                             lengths=lengths, num_turns=args.num_turns, env_latency=env_s, keep_prob=args.keep_prob,
-                            max_inflight_groups=args.max_inflight_groups)
+                            max_inflight_groups=args.max_inflight_groups, turn_tokens=args.turn_tokens)
     mean_len = planner._mean_len(work)
     costs = planner.Costs.from_models(model=model, gpu=gpu, engine_tp=args.engine_tp,
                                       mean_ctx=args.prompt_len + mean_len / 2, max_ctx=args.prompt_len + args.max_len,
@@ -133,6 +138,7 @@ def build(args: argparse.Namespace):
         costs.decode_step = planner.measured_decode(points)
     costs.per_request_s, costs.client_per_request_s = args.per_request_s, args.client_per_request_s
     costs.request_engine_s = args.request_engine_s
+    costs.prefill_token_engine_s, costs.prefix_cache = args.prefill_token_engine_s, not args.no_prefix_cache
     return work, costs
 
 

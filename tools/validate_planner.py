@@ -20,7 +20,7 @@ makespan); the benchmarks' outputs are never fitted. Three cost sets:
                stage of async_vs_sync's synchronous (α = 0) run equals the measured one (0.846 s on the
                2-core box, 0.870 s on the 16-core box). Every other row on that machine is a prediction.
 
-Same-hour rows (2026-11-24): async_vs_sync, queue_scheduling and prompt_replication re-run on the 2-core box
+Same-hour rows (2026-11-24): async_vs_sync, queue_scheduling, prompt_replication and env_async re-run on the 2-core box
 within minutes of fresh decode-step curves and closed-loop request costs (engine_step_cost.py) for both
 models; `alone` there uses those and the run's own rollout-thread CPU per request, nothing fitted. They are
 summarised apart: older rows compare runs with engine curves taken hours or sessions away, and the CPU
@@ -73,6 +73,22 @@ ENGINE_PER_REQUEST_S7 = 0.00122
 STEP_S7_L2_H64 = [(1, 0.00117), (2, 0.0013), (4, 0.00146), (8, 0.00164), (16, 0.00205), (32, 0.00312),
                   (64, 0.00509)]
 ENGINE_PER_REQUEST_S7_CAP4, ENGINE_PER_REQUEST_S7_CAP8 = 0.00112, 0.00087
+# Again at 14:38, seconds after the "env*_s7" runs: `... --k 1,2,4,8,16,32,64 --loop-k 16,64 --short 4 --long 24`;
+# closed loop at 64 running (env_async's 64 instances on one engine): 1.10 ms per request.
+STEP_S7C_L2_H64 = [(1, 0.00128), (2, 0.00137), (4, 0.00144), (8, 0.00179), (16, 0.00214), (32, 0.00329),
+                   (64, 0.00561)]
+ENGINE_PER_REQUEST_S7_CAP64 = 0.00110
+# Prefill: the same closed loop with 100-token vs 2-token prompts, 14:52, 2 × 64 model, server as env_async's
+# (512 tokens per forward step): `OMP_NUM_THREADS=1 python benchmarks/engine_step_cost.py --skip-batch
+# --loop-k 16,64 --loop-prompt-len 2,100 --max-batch-tokens 512 --short 4 --long 24`. At 16 running: 2.19 vs
+# 0.55 ms per request → 16.7 µs per prefilled token (decode step 3.16 vs 2.23 ms: longer context). At 64 the
+# split is different (2.12 vs 1.28 ms per request, 8.6 µs per token, but the decode step 19.9 vs 3.05 ms):
+# the 16-running figure is used. The CPU server has no prefix cache: each turn of an episode prefills the
+# whole conversation again.
+PREFILL_TOKEN_ENGINE_S = 16.7e-6
+# env_async's conversation (the tiny tokenizer's chat template, ChatTokens): 18 prompt tokens; each env turn
+# appends the end token and an 18-token observation turn.
+ENV_PROMPT_TOKENS, ENV_TURN_TOKENS = 18, 19
 CLIENT_CPU_PER_REQUEST_S7 = 0.00066
 # The decode-step figures recorded in session 2 (benchmarks/queue_scheduling.py docstring, docs/benchmarks.md
 # "What limits each speedup"): measured at 08:40 on 2026-11-22 while other jobs kept the load at 4-9.
@@ -148,6 +164,12 @@ MEASURED: dict[str, dict] = {
                 "chunk4": 0.3216, "chunk4_rounds": [0.314, 0.330]},
     "queue_s7": {"batch": 0.7878, "batch_rounds": [0.813, 0.763], "queue": 0.7344, "queue_rounds": [0.743, 0.726],
                  "no_extra": 0.7086, "no_extra_rounds": [0.707, 0.710]},
+    # env_async.py on 2026-11-24 14:33-14:38, 2-core box, quiet (load 0.4-0.7): `OMP_NUM_THREADS=1 python
+    # benchmarks/env_async.py --mu-ms 100,300 --repeats 3 --redundancy 0`, medians of 3.
+    "env300_s7": {"batch": 39.4, "batch_rounds": [39.64, 39.27, 39.4], "async": 15.57,
+                  "async_rounds": [15.53, 15.57, 15.69]},
+    "env100_s7": {"batch": 18.23, "batch_rounds": [18.11, 18.26, 18.23], "async": 7.46,
+                  "async_rounds": [7.23, 7.46, 7.57]},
     # env_async.py, 64 env instances, medians of 3 interleaved runs, quiet box (docs "Env-level async").
     "env300": {"batch": 45.1, "async": 16.9},
     "env100": {"batch": 25.3, "async": 13.6},
@@ -213,11 +235,14 @@ class CostSet:
         self.step = {"L2H64": planner.measured_decode(step_small), "L4H160": planner.measured_decode(step_large)}
 
     def costs(self, model: str, *, cap: int, train: float = 0.0, sync: float = 0.0,
-              request_s: float | None = None) -> planner.Costs:
+              request_s: float | None = None, prefill_token_s: float = 0.0) -> planner.Costs:
+        """`prefill_token_s`: engine seconds per prefilled token, for multi-turn rows (the other benchmarks'
+        prompts are as short as the one the request cost was measured with); the CPU server re-prefills."""
         return planner.Costs(decode_step=self.step[model], engine_cap=cap, prefill_s=0.0,
                              train_s=lambda g, tokens: train, sync_s=sync,
                              request_engine_s=self.request_s if request_s is None else request_s,
-                             client_per_request_s=self.client_s)
+                             client_per_request_s=self.client_s, prefill_token_engine_s=prefill_token_s,
+                             prefix_cache=False)
 
 
 def sim(work: planner.Workload, costs: planner.Costs, *, seeds: int, steps: int, **kw) -> planner.Result:
@@ -356,25 +381,30 @@ def prompt_replication(slots: int, sets: list[CostSet], req: dict[str, float], *
     return rows
 
 
-def env_async(sets: list[CostSet], req: dict[str, float], *, seeds: int) -> list[dict]:
+def env_async(sets: list[CostSet], req: dict[str, float], *, seeds: int, suffix: str = "") -> list[dict]:
     """env_async.py defaults: 64 groups of 4 episodes, 16 groups (64 env instances) at a time, 8 turns of 4
     tokens, env latency normal(μ, σ = μ) clipped at 0, one engine; batch = lockstep turns of 16 groups,
-    async = each episode its own task, a group starts when one lands. Makespan of the 64 groups."""
+    async = each episode its own task, a group starts when one lands. Makespan of the 64 groups. Each turn
+    re-prefills the conversation (18 prompt tokens, + 4 + 19 per turn) at PREFILL_TOKEN_ENGINE_S."""
     rows = []
     for mu in (0.3, 0.1):
-        m = MEASURED[f"env{int(mu * 1000)}"]
-        work = planner.Workload(batch_size=64, group_size=4, prompt_len=8, lengths=lambda rng: 4, num_turns=8,
+        m = MEASURED[f"env{int(mu * 1000)}{suffix}"]
+        work = planner.Workload(batch_size=64, group_size=4, prompt_len=ENV_PROMPT_TOKENS, lengths=lambda rng: 4,
+                                num_turns=8, turn_tokens=ENV_TURN_TOKENS,
                                 env_latency=lambda rng, m_=mu: max(0.0, rng.gauss(m_, m_)), max_inflight_groups=16)
         out: dict[str, dict[str, float]] = {"batch": {}, "async": {}}
         for cs in sets:
-            c = cs.costs("L2H64", cap=64, request_s=req.get(cs.name))
+            c = cs.costs("L2H64", cap=64, request_s=req.get(cs.name), prefill_token_s=PREFILL_TOKEN_ENGINE_S)
             kw = dict(num_engines=1, alpha=100, seeds=seeds, steps=4)
             out["batch"][cs.name] = sim(work, c, scheduling="batch", env_mode="batch", **kw).total_s
             out["async"][cs.name] = sim(work, c, **kw).total_s
         cmd = f"python benchmarks/env_async.py --mu-ms {int(mu * 1000)} --repeats 3"
         b = f"env async (64 instances, 8 turns, μ=σ={int(mu * 1000)} ms)"
-        rows += [row(b, "batch makespan s", cmd, m["batch"], [], out["batch"]),
-                 row(b, "async makespan s", cmd, m["async"], [], out["async"]),
+        if suffix == "_s7":
+            cmd = "OMP_NUM_THREADS=1 python benchmarks/env_async.py --mu-ms 100,300 --repeats 3 --redundancy 0"
+            b += ", 2026-11-24 curve"
+        rows += [row(b, "batch makespan s", cmd, m["batch"], m.get("batch_rounds", []), out["batch"]),
+                 row(b, "async makespan s", cmd, m["async"], m.get("async_rounds", []), out["async"]),
                  row(b, "speedup", cmd, m["batch"] / m["async"], [],
                      {k: out["batch"][k] / out["async"][k] for k in out["batch"]})]
     return rows
@@ -454,6 +484,10 @@ def validate(*, seeds: int, steps: int, log: Callable[[str], None] = print) -> d
                                                 request_s=ENGINE_PER_REQUEST_S7_CAP8,
                                                 client_s=CLIENT_CPU_PER_REQUEST_S7), fitted7], req7, seeds=seeds,
                                     steps=steps, key="rep8_s7")
+    same_hour += env_async([CostSet("alone", step_small=STEP_S7C_L2_H64, request_s=ENGINE_PER_REQUEST_S7_CAP64,
+                                    client_s=CLIENT_CPU_PER_REQUEST_S7),
+                            CostSet("stage time", step_small=STEP_S7C_L2_H64, client_s=CLIENT_CPU_PER_REQUEST_S7)],
+                           req7, seeds=seeds, suffix="_s7")
     for r in same_hour:
         r["same_hour"] = True  # every input measured within minutes of the benchmark, on the same box
     rows += same_hour

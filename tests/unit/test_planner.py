@@ -215,6 +215,20 @@ def test_without_redundancy_the_trainer_waits_for_a_straggler_that_is_due():
     assert r.groups_cancelled == 0 and r.staleness_mean == pytest.approx(10 / 11)
 
 
+@pytest.mark.parametrize("prefix_cache,expected", [(False, 11.1), (True, 8.0)])
+def test_multi_turn_prefill_charges_the_uncached_context_each_turn(prefix_cache, expected):
+    """One sample of 3 turns, 2 tokens each, 1 s per decode step, no env wait, prompt 10 tokens, 5 tokens
+    appended per env turn, 0.1 s per prefilled token. Without a prefix cache each turn prefills the whole
+    conversation: 10, then 10+2+5 = 17, then 17+2+5 = 24 tokens → 1.0 + 1.7 + 2.4 s of prefill + 3 × 2 s of
+    decode = 11.1 s. With it: 10, 5, 5 tokens → 1.0 + 0.5 + 0.5 + 6 = 8.0 s. Training takes 0 s."""
+    w = planner.Workload(batch_size=1, group_size=1, prompt_len=10, lengths=lambda rng: 2, num_turns=3,
+                         turn_tokens=5)
+    c = _costs(step=1.0, train=0.0, cap=4)
+    c.prefill_token_engine_s, c.prefix_cache = 0.1, prefix_cache
+    r = planner.simulate(work=w, costs=c, num_engines=1, train_gpus=1, alpha=0, num_steps=1)
+    assert r.total_s == pytest.approx(expected)
+
+
 def test_validation_predicts_the_uncontended_async_step_from_the_sync_stage_times():
     """tools/validate_planner.py at a small size: the engine seconds per request solved from the 16-core
     box's α = 0 rollout stage (0.870 s) are a few ms (the closed-loop engine alone: 1.5), and with them

@@ -117,62 +117,83 @@ PASS_RATES = (0.0, 0.25, 0.5, 0.75, 1.0)
 KEEP_PROB = statistics.fmean(1 - p ** 8 - (1 - p) ** 8 for p in PASS_RATES)
 
 # ---- measured outputs (and stage times) -----------------------------------------------------------------
-# Each: steady-state means; `rounds` = per-round values (the spread between rounds is the measurement noise).
+# Each: steady-state means; `rounds` = per-round values (the spread between rounds is the measurement noise);
+# `cmd` and `tag` = the command that measured it and what its printed benchmark name adds.
 MEASURED: dict[str, dict] = {
     # 2-core box, quiet (session 2, 08:42; runs/bench_async_vs_sync, steps 3-15 of 3 rounds per mode):
     # sync = rollout 0.846 + train 0.803 + sync 0.102; async train 0.888 (the rollout thread shares its core).
-    "avs2": {"sync": 1.751, "sync_rounds": [1.766, 1.719, 1.768], "async": 0.991, "async_rounds": [0.954, 1.084, 0.934],
+    "avs2": {"cmd": "python benchmarks/async_vs_sync.py --rounds 3", "tag": ", 2-core box",
+             "sync": 1.751, "sync_rounds": [1.766, 1.719, 1.768], "async": 0.991, "async_rounds": [0.954, 1.084, 0.934],
              "rollout": 0.846, "train": 0.803, "sync_s": 0.102, "train_async": 0.888, "sync_s_async": 0.102,
              "response_len_mean": 10.15, "runs": "bench_async_vs_sync", "skip": 3},
     # 2-core box, 2026-11-24 14:18, quiet (load 0.03), after f55fc73: `OMP_NUM_THREADS=1 python
     # benchmarks/async_vs_sync.py --rounds 3` (docs/benchmarks.md, issue-6 table, the re-run row).
-    "avs2_s7": {"sync": 1.120, "sync_rounds": [1.131, 1.117, 1.111], "async": 0.7345,
+    "avs2_s7": {"cmd": "OMP_NUM_THREADS=1 python benchmarks/async_vs_sync.py --rounds 3 (2026-11-24)",
+                "tag": ", 2-core box, 2026-11-24 curve",
+                "sync": 1.120, "sync_rounds": [1.131, 1.117, 1.111], "async": 0.7345,
                 "async_rounds": [0.729, 0.732, 0.743], "rollout": 0.4385, "train": 0.613, "sync_s": 0.0684,
                 "train_async": 0.6656, "sync_s_async": 0.0687, "response_len_mean": 10.18},
     # 16-core GPU box, GPU hidden, uncontended (session 3, docs "GPU box"): 2 rounds per mode.
-    "avs16": {"sync": 1.876, "sync_rounds": [1.903, 1.849], "async": 1.012, "async_rounds": [1.010, 1.014],
+    "avs16": {"cmd": "CUDA_VISIBLE_DEVICES= python benchmarks/async_vs_sync.py --rounds 2 (GPU box)",
+              "tag": ", 16-core box",
+              "sync": 1.876, "sync_rounds": [1.903, 1.849], "async": 1.012, "async_rounds": [1.010, 1.014],
               "rollout": 0.870, "train": 0.902, "sync_s": 0.104, "train_async": 0.902, "sync_s_async": 0.109,
               "response_len_mean": 10.15},
     # queue_scheduling.py defaults, session 3 09:57, quiet (runs/bench_queue_s3, steps 2-9 of 2 rounds); the
     # batch baseline writes no metrics.jsonl (numbers from the benchmark's JSON, docs/benchmarks.md).
-    "queue": {"batch": 0.978, "batch_rounds": [], "queue": 0.983, "queue_rounds": [1.067, 0.899],
+    "queue": {"cmd": "python benchmarks/queue_scheduling.py --out runs/bench_queue_s3", "tag": "",
+              "batch": 0.978, "batch_rounds": [], "queue": 0.983, "queue_rounds": [1.067, 0.899],
               "no_extra": 0.918, "no_extra_rounds": [0.925, 0.911], "runs": "bench_queue_s3", "skip": 2,
               "dirs": {"queue": "queue", "no_extra": "queue_no_extra"}},
     # prompt_replication.py --chunk 4 --rounds 3 (8 slots per engine), session 3 10:27, load 0.6-1.7
     # (runs/bench_pr_s3_8, steps 3-9).
-    "rep8": {"off": 0.454, "off_rounds": [0.429, 0.548, 0.384], "on": 0.376, "on_rounds": [0.404, 0.367, 0.358],
+    "rep8": {"cmd": "python benchmarks/prompt_replication.py --chunk 4 --rounds 3", "tag": "",
+             "off": 0.454, "off_rounds": [0.429, 0.548, 0.384], "on": 0.376, "on_rounds": [0.404, 0.367, 0.358],
              "chunk4": 0.391, "chunk4_rounds": [0.429, 0.401, 0.343], "runs": "bench_pr_s3_8", "skip": 3,
              "dirs": {"off": "off", "on": "on", "chunk4": "chunked"}},
     # ... --max-inflight 16 --chunk 4 (2 rounds), session 3 10:31 (runs/bench_pr_s3).
-    "rep16": {"off": 0.287, "off_rounds": [0.267, 0.308], "on": 0.342, "on_rounds": [0.268, 0.416],
+    "rep16": {"cmd": "python benchmarks/prompt_replication.py --max-inflight 16 --chunk 4", "tag": "",
+              "off": 0.287, "off_rounds": [0.267, 0.308], "on": 0.342, "on_rounds": [0.268, 0.416],
               "chunk4": 0.256, "chunk4_rounds": [0.259, 0.253], "runs": "bench_pr_s3", "skip": 3,
               "dirs": {"off": "off", "on": "on", "chunk4": "chunked"}},
     # The same with 8 slots (defaults), 1 round, on the 16-core GPU box (GPU hidden, uncontended; session 4,
     # docs/benchmarks.md "GPU box"): `CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 python
     # benchmarks/prompt_replication.py --rounds 1 --chunk 4`.
-    "rep8_16core": {"off": 0.511, "off_rounds": [0.511], "on": 0.399, "on_rounds": [0.399],
+    "rep8_16core": {"tag": ", 16-core box",
+                    "cmd": "CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --rounds 1 --chunk 4 (GPU box)",
+                    "off": 0.511, "off_rounds": [0.511], "on": 0.399, "on_rounds": [0.399],
                     "chunk4": 0.556, "chunk4_rounds": [0.556]},
     # The same with 8 slots, 2 rounds, 2-core box, session 5 (load 0.85), minutes after STEP_S5_L2_H64:
     # `OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --chunk 4 --rounds 2`.
-    "rep8_s5": {"off": 0.496, "off_rounds": [0.491, 0.501], "on": 0.460, "on_rounds": [0.497, 0.423],
+    "rep8_s5": {"tag": ", 2-core box, session 5 curve",
+                "cmd": "OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --chunk 4 --rounds 2 (session 5)",
+                "off": 0.496, "off_rounds": [0.491, 0.501], "on": 0.460, "on_rounds": [0.497, 0.423],
                 "chunk4": 0.502, "chunk4_rounds": [0.448, 0.557]},
     # The same two benchmarks on 2026-11-24, 2-core box, minutes after STEP_S7_L2_H64 (load 0.7-2.4: the two
     # engines and the trainer): `OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --chunk 4 --rounds 2
     # --out runs/bench_pr_s7` (14:24) and `OMP_NUM_THREADS=1 python benchmarks/queue_scheduling.py --out
     # runs/bench_queue_s7` (14:25).
-    "rep8_s7": {"off": 0.3492, "off_rounds": [0.366, 0.333], "on": 0.2466, "on_rounds": [0.237, 0.256],
+    "rep8_s7": {"tag": ", 2026-11-24 curve",
+                "cmd": "OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --chunk 4 --rounds 2 --out runs/bench_pr_s7",
+                "off": 0.3492, "off_rounds": [0.366, 0.333], "on": 0.2466, "on_rounds": [0.237, 0.256],
                 "chunk4": 0.3216, "chunk4_rounds": [0.314, 0.330]},
-    "queue_s7": {"batch": 0.7878, "batch_rounds": [0.813, 0.763], "queue": 0.7344, "queue_rounds": [0.743, 0.726],
+    "queue_s7": {"cmd": "OMP_NUM_THREADS=1 python benchmarks/queue_scheduling.py --out runs/bench_queue_s7 (2026-11-24)",
+                 "tag": ", 2026-11-24 curve",
+                 "batch": 0.7878, "batch_rounds": [0.813, 0.763], "queue": 0.7344, "queue_rounds": [0.743, 0.726],
                  "no_extra": 0.7086, "no_extra_rounds": [0.707, 0.710]},
     # env_async.py on 2026-11-24 14:33-14:38, 2-core box, quiet (load 0.4-0.7): `OMP_NUM_THREADS=1 python
     # benchmarks/env_async.py --mu-ms 100,300 --repeats 3 --redundancy 0`, medians of 3.
-    "env300_s7": {"batch": 39.4, "batch_rounds": [39.64, 39.27, 39.4], "async": 15.57,
+    "env300_s7": {"cmd": "OMP_NUM_THREADS=1 python benchmarks/env_async.py --mu-ms 100,300 --repeats 3 --redundancy 0",
+                  "tag": ", 2026-11-24 curve",
+                  "batch": 39.4, "batch_rounds": [39.64, 39.27, 39.4], "async": 15.57,
                   "async_rounds": [15.53, 15.57, 15.69]},
-    "env100_s7": {"batch": 18.23, "batch_rounds": [18.11, 18.26, 18.23], "async": 7.46,
+    "env100_s7": {"cmd": "OMP_NUM_THREADS=1 python benchmarks/env_async.py --mu-ms 100,300 --repeats 3 --redundancy 0",
+                  "tag": ", 2026-11-24 curve",
+                  "batch": 18.23, "batch_rounds": [18.11, 18.26, 18.23], "async": 7.46,
                   "async_rounds": [7.23, 7.46, 7.57]},
     # env_async.py, 64 env instances, medians of 3 interleaved runs, quiet box (docs "Env-level async").
-    "env300": {"batch": 45.1, "async": 16.9},
-    "env100": {"batch": 25.3, "async": 13.6},
+    "env300": {"cmd": "python benchmarks/env_async.py --mu-ms 300 --repeats 3", "tag": "", "batch": 45.1, "async": 16.9},
+    "env100": {"cmd": "python benchmarks/env_async.py --mu-ms 100 --repeats 3", "tag": "", "batch": 25.3, "async": 13.6},
 }
 
 
@@ -298,10 +319,7 @@ def row(bench: str, what: str, command: str, measured: float, rounds: list[float
 def async_vs_sync(key: str, sets: list[CostSet], req: dict[str, float], *, seeds: int, steps: int) -> list[dict]:
     """One engine (21 running), α = 2 vs α = 0, measured train and sync seconds per step."""
     m = MEASURED[key]
-    machine = {"avs2": "2-core box", "avs2_s7": "2-core box, 2026-11-24 curve"}.get(key, "16-core box")
-    cmd = {"avs2": "python benchmarks/async_vs_sync.py --rounds 3",
-           "avs2_s7": "OMP_NUM_THREADS=1 python benchmarks/async_vs_sync.py --rounds 3 (2026-11-24)"}.get(
-        key, "CUDA_VISIBLE_DEVICES= python benchmarks/async_vs_sync.py --rounds 2 (GPU box)")
+    cmd = m["cmd"]
     work = avs_work(m)
     s0, a2, a2b = {}, {}, {}
     for cs in sets:
@@ -312,7 +330,7 @@ def async_vs_sync(key: str, sets: list[CostSet], req: dict[str, float], *, seeds
         s0[cs.name] = sim(work, c0, alpha=0, **kw).sec_per_step
         a2[cs.name] = sim(work, c0, alpha=2, **kw).sec_per_step
         a2b[cs.name] = sim(work, c2, alpha=2, **kw).sec_per_step
-    bench = f"async vs sync, {machine}"
+    bench = "async vs sync" + m["tag"]
     return [row(bench, "sync (α=0) s/step", cmd, m["sync"], m["sync_rounds"], s0, fit=("stage time",)),
             row(bench, "async (α=2) s/step, α=0 stage times", cmd, m["async"], m["async_rounds"], a2),
             row(bench, "async (α=2) s/step, α=2 run's train/sync times", cmd, m["async"], m["async_rounds"], a2b),
@@ -333,11 +351,7 @@ def queue_scheduling(sets: list[CostSet], req: dict[str, float], *, seeds: int, 
         out["batch"][cs.name] = sim(work, c, scheduling="batch", **kw).sec_per_step
         out["queue"][cs.name] = sim(work, c, extra_groups=4, **kw).sec_per_step
         out["no_extra"][cs.name] = sim(work, c, **kw).sec_per_step
-    cmd = "python benchmarks/queue_scheduling.py --out runs/bench_queue_s3"
-    b = "queue scheduling (2 engines × 4 running, α=0, filter)"
-    if key == "queue_s7":
-        cmd = "OMP_NUM_THREADS=1 python benchmarks/queue_scheduling.py --out runs/bench_queue_s7 (2026-11-24)"
-        b += ", 2026-11-24 curve"
+    cmd, b = m["cmd"], "queue scheduling (2 engines × 4 running, α=0, filter)" + m["tag"]
     return [row(b, "batch s/step", cmd, m["batch"], m["batch_rounds"], out["batch"]),
             row(b, "queue + 4 redundant s/step", cmd, m["queue"], m["queue_rounds"], out["queue"]),
             row(b, "queue, no redundancy s/step", cmd, m["no_extra"], m["no_extra_rounds"], out["no_extra"]),
@@ -362,18 +376,7 @@ def prompt_replication(slots: int, sets: list[CostSet], req: dict[str, float], *
         out["off"][cs.name] = sim(work, c, prompt_replication=False, **kw).sec_per_step
         out["on"][cs.name] = sim(work, c, **kw).sec_per_step
         out["chunk4"][cs.name] = sim(work, c, replication_chunk=4, **kw).sec_per_step
-    cmd = ("python benchmarks/prompt_replication.py --chunk 4 --rounds 3" if slots == 8 else
-           "python benchmarks/prompt_replication.py --max-inflight 16 --chunk 4")
-    b = f"prompt replication ({slots} slots × 2 engines, α=2)"
-    if key == "rep8_s5":
-        cmd = "OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --chunk 4 --rounds 2 (session 5)"
-        b += ", 2-core box, session 5 curve"
-    if key == "rep8_s7":
-        cmd = "OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --chunk 4 --rounds 2 --out runs/bench_pr_s7"
-        b += ", 2026-11-24 curve"
-    if key == "rep8_16core":
-        cmd = "CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --rounds 1 --chunk 4 (GPU box)"
-        b += ", 16-core box"
+    cmd, b = m["cmd"], f"prompt replication ({slots} slots × 2 engines, α=2)" + m["tag"]
     rows = [row(b, f"{mode} s/step", cmd, m[mode], m[f"{mode}_rounds"], out[mode]) for mode in ("off", "on", "chunk4")]
     for mode in ("on", "chunk4"):
         rows.append(row(b, f"speedup {mode} vs off", cmd, m["off"] / m[mode], [],
@@ -398,11 +401,7 @@ def env_async(sets: list[CostSet], req: dict[str, float], *, seeds: int, suffix:
             kw = dict(num_engines=1, alpha=100, seeds=seeds, steps=4)
             out["batch"][cs.name] = sim(work, c, scheduling="batch", env_mode="batch", **kw).total_s
             out["async"][cs.name] = sim(work, c, **kw).total_s
-        cmd = f"python benchmarks/env_async.py --mu-ms {int(mu * 1000)} --repeats 3"
-        b = f"env async (64 instances, 8 turns, μ=σ={int(mu * 1000)} ms)"
-        if suffix == "_s7":
-            cmd = "OMP_NUM_THREADS=1 python benchmarks/env_async.py --mu-ms 100,300 --repeats 3 --redundancy 0"
-            b += ", 2026-11-24 curve"
+        cmd, b = m["cmd"], f"env async (64 instances, 8 turns, μ=σ={int(mu * 1000)} ms)" + m["tag"]
         rows += [row(b, "batch makespan s", cmd, m["batch"], m.get("batch_rounds", []), out["batch"]),
                  row(b, "async makespan s", cmd, m["async"], m.get("async_rounds", []), out["async"]),
                  row(b, "speedup", cmd, m["batch"] / m["async"], [],
@@ -556,16 +555,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r['what']:<48} {r['measured']:>8.3f} {rng:>11} " + " ".join(cells))
     print()
     summ = {c: summary(rows, c) for c in costs}
-    for c in costs:
-        s = summ[c]
-        print(f"{c:>10}: {s['within_15pct']} of {s['held_out']} predictions within ±15 %, largest error "
-              f"{s['max_abs_error']:.0%}")
-    same = [r for r in rows if r["same_hour"]]
-    summ_same = {c: summary(same, c) for c in ("alone", "stage time")}
-    print("rows whose inputs were measured within minutes of the benchmark (2026-11-24, 2-core box):")
-    for c, s in summ_same.items():
-        print(f"{c:>10}: {s['within_15pct']} of {s['held_out']} predictions within ±15 %, largest error "
-              f"{s['max_abs_error']:.0%}")
+    summ_same = {c: summary([r for r in rows if r["same_hour"]], c) for c in ("alone", "stage time")}
+    for title, sums in (("", summ), ("rows whose inputs were measured within minutes of the benchmark "
+                                     "(2026-11-24, 2-core box):", summ_same)):
+        if title:
+            print(title)
+        for c, s in sums.items():
+            print(f"{c:>10}: {s['within_15pct']} of {s['held_out']} predictions within ±15 %, largest error "
+                  f"{s['max_abs_error']:.0%}")
     shape = None
     if args.paper_shape:
         print(f"\npaper shape: 7B on H100, lognormal lengths mean {args.sweep_len_mean:.0f} (≤ {args.sweep_max_len}), "
@@ -575,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
                             max_len=args.sweep_max_len, len_mean=args.sweep_len_mean, alpha=args.alpha,
                             sigma_gpus=args.sigma_gpus)
     print(f"({time.time() - t0:.0f} s)")
-    print(json.dumps({"rows": rows, "summary": summ, "summary_same_hour": summ_same, "request_engine_s": out["request_engine_s"],
+    print(json.dumps({"rows": rows, "summary": summ, "summary_same_hour": summ_same,
+                      "request_engine_s": out["request_engine_s"],
                       "keep_prob": round(KEEP_PROB, 4), "lengths": args.lengths, "sources": sources,
                       "paper_shape": shape}))
     return 0

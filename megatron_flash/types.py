@@ -67,7 +67,9 @@ class Group:
 
 def collate(samples: Sequence[Sample], *, pad_id: int, advantages: Optional[torch.Tensor] = None,
             pad_to_multiple: int = 1) -> dict[str, torch.Tensor]:
-    """tokens, loss_mask, behavior_logprobs, rewards [B], group_ids [B], and advantages per token."""
+    """tokens, lengths [B], loss_mask, behavior_logprobs, rewards [B], group_ids [B], and advantages
+    per token. `pad_to_multiple` rounds the padded width up (the trainer's padded layout; packed
+    micro-batches use `lengths` and ignore the width)."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     width = max(lengths)
     width = -(-width // pad_to_multiple) * pad_to_multiple
@@ -82,6 +84,7 @@ def collate(samples: Sequence[Sample], *, pad_id: int, advantages: Optional[torc
         behavior[i, p : p + r] = torch.tensor(s.behavior_logprobs, dtype=torch.float32)
     batch = {
         "tokens": tokens,
+        "lengths": torch.tensor(lengths, dtype=torch.long),
         "loss_mask": mask,
         "behavior_logprobs": behavior,
         "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),

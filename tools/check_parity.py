@@ -2,11 +2,18 @@
 
     python tools/check_parity.py --hf-dir runs/tiny_model                       # TP1 × PP1
     torchrun --nproc-per-node 4 tools/check_parity.py --hf-dir DIR --tp 2 --pp 2
+    python tools/check_parity.py --hf-dir DIR --pack                            # packed samples
+    torchrun --nproc-per-node 2 tools/check_parity.py --hf-dir DIR --pp 2 --vpp 2   # interleaved
 
 Loads the checkpoint into Megatron with the given layout and into transformers (on rank 0), runs
 the same random batch through both, and prints as its last line one JSON object:
 max_abs_logit_diff, max_abs_logprob_diff (log-softmax of each), and the layout. Exit code 0 when
 both are within --tol (default 1e-4, for fp32), 1 otherwise.
+
+Without --pack every row is one sample, padded micro-batches (trainer.pack_sequences=false). With
+--pack the samples get random lengths (--seq-len / 4 … --seq-len) and are packed end to end into one
+row (block-diagonal attention, positions restarting per sample); transformers runs each sample alone,
+and every position of every sample is compared.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tol", type=float, default=1e-4)
+    parser.add_argument("--pack", action="store_true", help="samples of different lengths packed in one row")
+    parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per PP rank")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
 
@@ -37,18 +46,23 @@ def main() -> int:
     import torch.distributed as dist
 
     from megatron_flash.trainer.distributed import destroy_distributed
+    from megatron_flash.trainer.model_builder import ScaleOptions
     from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
     from megatron_flash.weight_sync.hf_spec import CheckpointError
 
     try:
         policy = MegatronPolicy(PolicySettings(hf_path=args.hf_dir, tp_size=args.tp, pp_size=args.pp,
-                                               dtype=args.dtype, micro_batch_size=args.batch))
+                                               dtype=args.dtype, micro_batch_size=args.batch, pack_sequences=args.pack,
+                                               scale=ScaleOptions(virtual_pipeline_size=args.vpp)))
     except (CheckpointError, ValueError) as e:
         print(f"check_parity: {e}", file=sys.stderr)
         return 2
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, policy.spec.vocab_size, (args.batch, args.seq_len), generator=gen)
-    logits = policy.compute_logits(tokens).double()
+    lengths = torch.full((args.batch,), args.seq_len)
+    if args.pack:
+        lengths = torch.randint(max(2, args.seq_len // 4), args.seq_len + 1, (args.batch,), generator=gen)
+    logits = policy.compute_logits(tokens, lengths).double()
     code = 0
     if dist.get_rank() == 0:
         import transformers
@@ -56,15 +70,19 @@ def main() -> int:
         dtype = getattr(torch, args.dtype)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         hf = transformers.AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=dtype).to(device)
-        with torch.no_grad():
-            ref = hf(tokens.to(device)).logits.double().cpu()
-        logit_diff = (logits - ref).abs().max().item()
-        lp_diff = (torch.log_softmax(logits, -1) - torch.log_softmax(ref, -1)).abs().max().item()
+        logit_diff = lp_diff = 0.0
+        for i, n in enumerate(lengths.tolist()):  # each sample alone through transformers
+            with torch.no_grad():
+                ref = hf(tokens[i:i + 1, :n].to(device)).logits[0].double().cpu()
+            got = logits[i, :n]
+            logit_diff = max(logit_diff, (got - ref).abs().max().item())
+            lp_diff = max(lp_diff, (torch.log_softmax(got, -1) - torch.log_softmax(ref, -1)).abs().max().item())
         ok = logit_diff <= args.tol and lp_diff <= args.tol
         code = 0 if ok else 1
         print(json.dumps({"hf_dir": args.hf_dir, "family": policy.spec.family, "tp": args.tp, "pp": args.pp,
-                          "dtype": args.dtype, "max_abs_logit_diff": logit_diff,
-                          "max_abs_logprob_diff": lp_diff, "tol": args.tol, "ok": ok}))
+                          "vpp": args.vpp, "pack": args.pack, "lengths": lengths.tolist(), "dtype": args.dtype,
+                          "max_abs_logit_diff": logit_diff, "max_abs_logprob_diff": lp_diff, "tol": args.tol,
+                          "ok": ok}))
     destroy_distributed()
     return code
 

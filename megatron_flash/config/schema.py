@@ -30,6 +30,8 @@ STALE_POLICIES = ("drop", "regenerate")
 ENGINE_BACKENDS = ("cpu", "sglang", "attach")
 WEIGHT_TRANSPORTS = ("ipc", "broadcast", "disk")
 WANDB_MODES = ("offline", "online", "disabled")
+RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
 
 # SGLang flags that megatron-flash sets itself from `engines.*`; repeating them in
 # `engines.server_args` would give two sources of truth for one value.
@@ -103,21 +105,25 @@ class ParallelConfig(_Section):
     pipeline_model_parallel_size: int = 1
     """Trainer pipeline-parallel degree (stages). Data parallel = world size / (TP × PP)."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism over the TP group; needs TP > 1 and NCCL (not on CPU)."""
+    """Megatron sequence parallelism over the TP group (activations outside attention/MLP are split
+    along the sequence); needs TP > 1. Works on NCCL and on gloo (CPU)."""
     backend: str = "auto"
     """torch.distributed backend: auto (nccl when CUDA is available, else gloo)|gloo|nccl."""
     virtual_pipeline_model_parallel_size: Optional[int] = None
-    """Interleaved-schedule model chunks per pipeline stage; null = no interleaving."""
+    """Interleaved 1F1B: model chunks per pipeline stage (each stage holds V non-contiguous blocks
+    of layers); null = no interleaving. num_hidden_layers must divide by PP × V."""
+    context_parallel_size: int = 1
+    """Context parallelism: each sequence split over this many ranks. Megatron-Core implements it in
+    Transformer Engine attention only, so > 1 needs TE (and CUDA); world = TP × PP × CP × DP."""
 
     def validate(self) -> None:
         self._at_least("tensor_model_parallel_size", 1)
         self._at_least("pipeline_model_parallel_size", 1)
+        self._at_least("context_parallel_size", 1)
         self._one_of("backend", DIST_BACKENDS)
         if self.sequence_parallel:
             self._require(self.tensor_model_parallel_size > 1, "sequence_parallel",
                           "needs parallel.tensor_model_parallel_size > 1")
-            self._require(self.backend != "gloo", "sequence_parallel",
-                          "is not supported with parallel.backend=gloo (CPU)")
         if self.virtual_pipeline_model_parallel_size is not None:
             self._at_least("virtual_pipeline_model_parallel_size", 1)
             self._require(self.pipeline_model_parallel_size > 1, "virtual_pipeline_model_parallel_size",
@@ -149,6 +155,21 @@ class TrainerConfig(_Section):
     no engines)."""
     replay_path: str = ""
     """Groups dumped by a rollout_only run (jsonl), replayed when trainer.mode=train_only."""
+    pack_sequences: bool = True
+    """Pack each micro-batch's samples end to end into one row (positions restart per sample,
+    attention never crosses a sample), instead of padding every sample to the step's longest."""
+    max_tokens_per_micro_batch: int = 0
+    """With pack_sequences: close a micro-batch before it exceeds this many tokens (samples stay
+    whole; the micro-batch count then varies per step and DP ranks are balanced by tokens). 0 = no
+    token limit. A micro-batch also never holds more than micro_batch_size samples."""
+    recompute: str = "none"
+    """Activation recomputation: none | selective (core attention, Megatron's default modules) |
+    full (whole layers, by recompute_method / recompute_num_layers)."""
+    recompute_method: Optional[str] = None
+    """With recompute=full only: uniform (every chunk of recompute_num_layers layers; the default) |
+    block (the first recompute_num_layers layers of each pipeline stage)."""
+    recompute_num_layers: Optional[int] = None
+    """With recompute=full only: layers per recomputed chunk (uniform) or per stage (block); default 1."""
 
     def validate(self) -> None:
         for name in ("total_steps", "micro_batch_size", "global_batch_size", "num_epochs",
@@ -156,8 +177,21 @@ class TrainerConfig(_Section):
             self._at_least(name, 1)
         self._at_least("seed", 0)
         self._at_least("max_seq_len", 2)
-        self._require(self.global_batch_size % self.micro_batch_size == 0, "global_batch_size",
-                      f"must be divisible by trainer.micro_batch_size={self.micro_batch_size}")
+        if not self.pack_sequences:  # fixed micro-batches of micro_batch_size samples
+            self._require(self.global_batch_size % self.micro_batch_size == 0, "global_batch_size",
+                          f"must be divisible by trainer.micro_batch_size={self.micro_batch_size}")
+        self._at_least("max_tokens_per_micro_batch", 0)
+        if self.max_tokens_per_micro_batch:
+            self._require(self.pack_sequences, "max_tokens_per_micro_batch",
+                          "needs trainer.pack_sequences=true (padded micro-batches have a fixed size)")
+        self._one_of("recompute", RECOMPUTE)
+        for name in ("recompute_method", "recompute_num_layers"):
+            if getattr(self, name) is not None:
+                self._require(self.recompute == "full", name, "is only used with trainer.recompute=full")
+        if self.recompute_method is not None:
+            self._one_of("recompute_method", RECOMPUTE_METHODS)
+        if self.recompute_num_layers is not None:
+            self._at_least("recompute_num_layers", 1)
         self._one_of("mode", RUN_MODES)
         if self.mode == "train_only":
             self._require(bool(self.replay_path), "replay_path", "must be set when trainer.mode=train_only")
@@ -189,6 +223,10 @@ class OptimizerConfig(_Section):
     """LR schedule after warm-up: constant|linear|cosine (decay to min_lr at trainer.total_steps)."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state and master weights over the data-parallel group (Megatron ZeRO-1)."""
+    cpu_offload_fraction: float = 0.0
+    """Fraction of the optimizer state (and its update) kept in CPU memory, 0 = none (Megatron's
+    optimizer_cpu_offload). Needs CUDA (on a CPU trainer everything already is in CPU memory) and
+    use_distributed_optimizer."""
 
     def validate(self) -> None:
         self._one_of("name", OPTIMIZERS)
@@ -202,6 +240,10 @@ class OptimizerConfig(_Section):
         self._at_least("clip_grad", 0.0)
         self._at_least("lr_warmup_steps", 0)
         self._one_of("lr_decay_style", LR_DECAY_STYLES)
+        self._require(0.0 <= self.cpu_offload_fraction <= 1.0, "cpu_offload_fraction", "must be in [0, 1]")
+        if self.cpu_offload_fraction > 0:
+            self._require(self.use_distributed_optimizer, "cpu_offload_fraction",
+                          "needs optimizer.use_distributed_optimizer=true")
 
 
 @dataclass

@@ -195,11 +195,19 @@ def _unshare_adam_steps(policy: Any) -> None:
                 state["step"] = state["step"].clone()
 
 
+def _model_chunks(policy: Any) -> list[tuple[str, Any]]:
+    """State keys and the unwrapped model chunks: "model", or "model0", "model1", … under an
+    interleaved pipeline (Megatron's naming)."""
+    chunks = [getattr(c, "module", c) for c in policy.chunks]  # under Megatron's DDP wrapper
+    if len(chunks) == 1:
+        return [("model", chunks[0])]
+    return [(f"model{i}", c) for i, c in enumerate(chunks)]
+
+
 def _sharded_state(policy: Any, *, is_loading: bool) -> dict[str, Any]:
-    model = getattr(policy.model, "module", policy.model)  # under Megatron's DDP wrapper
     if is_loading:
         _init_empty_adam_state(policy)
-    state = {"model": model.sharded_state_dict()}
+    state = {key: chunk.sharded_state_dict() for key, chunk in _model_chunks(policy)}
     state["optimizer"] = policy.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_OPTIM_METADATA)
     return state
 
@@ -259,7 +267,8 @@ def load(policy: Any, path: str) -> tuple[dict[str, Any], Optional[dict[str, Any
         sharded = _sharded_state(policy, is_loading=True)
         _skip_step_on_reshardable_load(policy)
         loaded = dist_checkpointing.load(sharded, os.path.join(path, "trainer"))
-        getattr(policy.model, "module", policy.model).load_state_dict(loaded["model"])
+        for key, chunk in _model_chunks(policy):
+            chunk.load_state_dict(loaded[key])
         policy.optimizer.load_state_dict(loaded["optimizer"])
         _unshare_adam_steps(policy)
         same = have == want
@@ -278,7 +287,8 @@ def load(policy: Any, path: str) -> tuple[dict[str, Any], Optional[dict[str, Any
         raise ValueError(f"checkpoint {path} (per-rank format) was saved with layout {have}; this run has "
                          f"{want} (resume it with the same parallel layout)")
     state = torch.load(os.path.join(path, "trainer", f"rank_{layout.rank:05d}.pt"), weights_only=False)
-    policy.model.load_state_dict(state["model"])
+    for key, chunk in _model_chunks(policy):
+        chunk.load_state_dict(state[key])
     policy.optimizer.load_state_dict(state["optimizer"])
     if getattr(policy.settings.optimizer, "use_distributed_optimizer", False):
         policy.optimizer.load_parameter_state(os.path.join(path, "trainer", f"dist_opt_{layout.rank:05d}.pt"))

@@ -15,8 +15,10 @@ never changed, and `apply()` returns early when `torch.cuda.is_available()`:
   weight.data.cuda() (tied embeddings with PP > 1)     Tensor.cuda() is a no-op for megatron.core callers
   batched P2P with a CUDA sync                         callers set batch_p2p_comm/sync False (see
                                                          model_builder), not patched here
+  CUDA RNG save/restore around activation recompute    the CPU generator's state
 
-Not supported on CPU (and not patched): sequence parallel, activation recompute, fused kernels.
+Not supported on CPU (and not patched): fused kernels. Sequence parallel needs no patch (gloo has
+reduce_scatter_tensor and all_gather_into_tensor).
 """
 
 from __future__ import annotations
@@ -172,6 +174,9 @@ def apply() -> bool:
 
     mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker  # type: ignore[misc]
     mrandom.initialize_rng_tracker(force_reset=True)
+    # Activation recompute saves and restores the "CUDA" generator around the re-run forward.
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
 
     original_type = torch.Tensor.type
     original_cuda = torch.Tensor.cuda

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ def free_port() -> int:
 
 
 def init_distributed(*, tp_size: int, pp_size: int, seed: int, backend: str = "auto",
-                     timeout_s: float = 600.0) -> Layout:
+                     timeout_s: float = 600.0, vpp_size: Optional[int] = None, cp_size: int = 1) -> Layout:
     """Initialise torch.distributed (if needed) and Megatron's parallel state; seed every RNG."""
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -61,17 +62,18 @@ def init_distributed(*, tp_size: int, pp_size: int, seed: int, backend: str = "a
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     cpu_shim.apply()
     world = dist.get_world_size()
-    if world % (tp_size * pp_size) != 0:
+    if world % (tp_size * pp_size * cp_size) != 0:
         raise ValueError(
             f"world size {world} is not divisible by tensor_model_parallel_size × "
-            f"pipeline_model_parallel_size = {tp_size} × {pp_size}"
+            f"pipeline_model_parallel_size × context_parallel_size = {tp_size} × {pp_size} × {cp_size}"
         )
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
+                                 virtual_pipeline_model_parallel_size=vpp_size, context_parallel_size=cp_size)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return Layout(

@@ -84,21 +84,26 @@ class SafetensorsReader:
             raise CheckpointError(f"cannot read tensor {name!r} from {self.weight_map[name]!r}: {e}") from None
 
 
-def _named_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    inner = getattr(model, "module", model)  # unwrap Megatron DDP
-    yield from inner.named_parameters()
-
-
-def load_hf_weights(model: torch.nn.Module, model_dir: str, *, spec: HFModelSpec, layout: Layout,
-                    padded_vocab_size: int) -> list[str]:
-    """Copy this rank's shard of every parameter from the HF checkpoint. Returns the HF names read."""
+def _chunk_params(model: Any) -> Iterator[tuple[int, str, torch.nn.Parameter]]:
+    """(global index of the chunk's first layer, name, parameter) over a model or a list of model
+    chunks (interleaved pipeline); Megatron's DDP wrapper is looked through."""
     from megatron_flash.trainer.model_builder import layer_offset
 
+    for chunk in (model if isinstance(model, (list, tuple)) else [model]):
+        offset = layer_offset(chunk)
+        inner = getattr(chunk, "module", chunk)
+        for name, param in inner.named_parameters():
+            yield offset, name, param
+
+
+def load_hf_weights(model: Any, model_dir: str, *, spec: HFModelSpec, layout: Layout,
+                    padded_vocab_size: int) -> list[str]:
+    """Copy this rank's shard of every parameter (of a model or its chunks) from the HF checkpoint.
+    Returns the HF names read."""
     reader = SafetensorsReader(model_dir)
     name_map = name_map_for(spec)
-    offset = layer_offset(spec, pp_rank=layout.pp_rank, pp_size=layout.pp_size)
     used: list[str] = []
-    for name, param in _named_params(model):
+    for offset, name, param in _chunk_params(model):
         rule, hf_names = name_map.resolve(name, layer_offset=offset, tied=spec.tie_word_embeddings)
         shard = hf_to_shard(rule, hf_names, reader, spec=spec, tp_rank=layout.tp_rank,
                             tp_size=layout.tp_size, padded_vocab_size=padded_vocab_size)
@@ -123,13 +128,11 @@ def _gather_tp(tensor: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     return parts
 
 
-def stage_hf_tensors(model: torch.nn.Module, *, spec: HFModelSpec, layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for this PP stage's parameters; every TP rank must iterate."""
-    from megatron_flash.trainer.model_builder import layer_offset
-
+def stage_hf_tensors(model: Any, *, spec: HFModelSpec, layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for this PP stage's parameters (every chunk of it under
+    interleaving); every TP rank must iterate."""
     name_map = name_map_for(spec)
-    offset = layer_offset(spec, pp_rank=layout.pp_rank, pp_size=layout.pp_size)
-    for name, param in _named_params(model):
+    for offset, name, param in _chunk_params(model):
         rule, hf_names = name_map.resolve(name, layer_offset=offset, tied=spec.tie_word_embeddings)
         if spec.tie_word_embeddings and name == "output_layer.weight":
             continue  # the first stage's embedding is the tied copy we export
@@ -137,7 +140,7 @@ def stage_hf_tensors(model: torch.nn.Module, *, spec: HFModelSpec, layout: Layou
         yield from shards_to_hf(rule, hf_names, shards, spec=spec).items()
 
 
-def export_hf(model: torch.nn.Module, out_dir: str, *, spec: HFModelSpec, layout: Layout,
+def export_hf(model: Any, out_dir: str, *, spec: HFModelSpec, layout: Layout,
               source_dir: str, dtype: Optional[torch.dtype] = None) -> None:
     """Write a HF checkpoint (sharded by PP stage) readable by transformers and by `load_hf_weights`."""
     from safetensors.torch import save_file

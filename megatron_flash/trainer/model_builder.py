@@ -7,7 +7,8 @@ when TE imports and CUDA exists (config `model.use_transformer_engine`), the loc
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Optional
 
 import torch
 
@@ -22,7 +23,7 @@ def padded_vocab_size(vocab_size: int, *, divisible_by: int, tp_size: int) -> in
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def validate_layout(spec: HFModelSpec, *, tp_size: int, pp_size: int) -> None:
+def validate_layout(spec: HFModelSpec, *, tp_size: int, pp_size: int, vpp_size: Optional[int] = None) -> None:
     """Raise ValueError naming the quantity that the layout cannot split evenly."""
     checks = [
         ("num_attention_heads", spec.num_attention_heads, tp_size, "tensor_model_parallel_size"),
@@ -38,6 +39,42 @@ def validate_layout(spec: HFModelSpec, *, tp_size: int, pp_size: int) -> None:
     for what, value, size, key in checks:
         if value % size != 0:
             raise ValueError(f"model {what}={value} is not divisible by parallel.{key}={size}")
+    if vpp_size is not None and spec.num_layers % (pp_size * vpp_size):
+        raise ValueError(
+            f"model num_hidden_layers={spec.num_layers} is not divisible by "
+            f"parallel.pipeline_model_parallel_size × parallel.virtual_pipeline_model_parallel_size "
+            f"= {pp_size} × {vpp_size}"
+        )
+
+
+def check_scale_options(scale: "ScaleOptions", *, optimizer: Any, uses_te: bool) -> None:
+    """Options the installed stack cannot honour are errors here, never silently dropped."""
+    if scale.context_parallel_size > 1 and not uses_te:
+        raise ValueError(
+            f"parallel.context_parallel_size={scale.context_parallel_size} needs Transformer Engine "
+            "attention (Megatron-Core implements context parallelism there only); transformer_engine is "
+            "not in use (not installed, no CUDA, or model.use_transformer_engine=false)"
+        )
+    if scale.context_parallel_size > 1:
+        # Under CP each rank's logits cover two chunks of every sequence; the logprob gather and the
+        # per-sample unpacking here assume whole rows. Refuse rather than train on wrong logprobs.
+        raise ValueError(
+            f"parallel.context_parallel_size={scale.context_parallel_size} needs CP-aware logprobs in the "
+            "trainer (each CP rank holds two chunks of every packed sample), which are not built yet"
+        )
+    if scale.sequence_parallel and not uses_te:
+        from megatron.core.models.gpt import gpt_layer_specs
+
+        if not gpt_layer_specs.HAVE_APEX:
+            raise ValueError(
+                "parallel.sequence_parallel=true needs Transformer Engine (with CUDA) or NVIDIA Apex norms: "
+                "the local layer spec's torch RMSNorm refuses sequence parallel in megatron-core"
+            )
+    if getattr(optimizer, "cpu_offload_fraction", 0.0) > 0 and not torch.cuda.is_available():
+        raise ValueError(
+            "optimizer.cpu_offload_fraction > 0 needs CUDA: a CPU trainer already keeps the optimizer in "
+            "CPU memory"
+        )
 
 
 def use_te(setting: str) -> bool:
@@ -52,14 +89,40 @@ def use_te(setting: str) -> bool:
     return True
 
 
-def transformer_config(spec: HFModelSpec, *, tp_size: int, pp_size: int, dtype: str) -> Any:
-    from megatron.core.transformer.transformer_config import TransformerConfig
+@dataclasses.dataclass(frozen=True)
+class ScaleOptions:
+    """The parallel and memory options that reach TransformerConfig (config sections `parallel`,
+    `trainer.recompute*`)."""
 
+    sequence_parallel: bool = False
+    virtual_pipeline_size: Optional[int] = None
+    context_parallel_size: int = 1
+    recompute: str = "none"  # none | selective | full
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+
+    def config_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(
+            sequence_parallel=self.sequence_parallel,
+            virtual_pipeline_model_parallel_size=self.virtual_pipeline_size,
+            context_parallel_size=self.context_parallel_size,
+        )
+        if self.recompute == "selective":
+            kwargs.update(recompute_granularity="selective")
+        elif self.recompute == "full":
+            kwargs.update(recompute_granularity="full", recompute_method=self.recompute_method,
+                          recompute_num_layers=self.recompute_num_layers)
+        return kwargs
+
+
+def transformer_config_kwargs(spec: HFModelSpec, *, tp_size: int, pp_size: int, dtype: str,
+                              scale: ScaleOptions = ScaleOptions()) -> dict[str, Any]:
+    """Everything Megatron's TransformerConfig receives (no Megatron import: testable as data)."""
     if dtype not in DTYPES:
         raise ValueError(f"model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     torch_dtype = DTYPES[dtype]
     on_cpu = not torch.cuda.is_available()
-    return TransformerConfig(
+    return dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -90,41 +153,85 @@ def transformer_config(spec: HFModelSpec, *, tp_size: int, pp_size: int, dtype: 
         # gloo has no batched P2P with a device sync; plain isend/irecv pairs work everywhere.
         batch_p2p_comm=not on_cpu,
         batch_p2p_sync=not on_cpu,
+        **scale.config_kwargs(),
     )
 
 
+def transformer_config(spec: HFModelSpec, *, tp_size: int, pp_size: int, dtype: str,
+                       scale: ScaleOptions = ScaleOptions()) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(**transformer_config_kwargs(spec, tp_size=tp_size, pp_size=pp_size, dtype=dtype,
+                                                         scale=scale))
+
+
 def build_gpt_stage(spec: HFModelSpec, *, config: Any, make_vocab_size_divisible_by: int,
-                    use_transformer_engine: str = "auto") -> Any:
-    """This rank's pipeline stage as a GPTModel (parallel output: logits stay vocab-sharded)."""
+                    use_transformer_engine: str = "auto", vp_stage: Optional[int] = None) -> Any:
+    """This rank's pipeline stage (or its virtual stage `vp_stage` under interleaving) as a GPTModel
+    (parallel output: logits stay vocab-sharded)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
     if use_te(use_transformer_engine):
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
     else:
         layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
-    model = GPTModel(
+    model = _gpt_model_class()(
         config=config,
         transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(spec.vocab_size, divisible_by=make_vocab_size_divisible_by,
                                      tp_size=config.tensor_model_parallel_size),
         max_sequence_length=spec.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
         parallel_output=True,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta),
+        vp_stage=vp_stage,
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
 
 
-def layer_offset(spec: HFModelSpec, *, pp_rank: int, pp_size: int) -> int:
-    """Global index of this stage's first layer (stages number their layers from 0)."""
-    return pp_rank * (spec.num_layers // pp_size)
+_GPT_CLASS: Optional[type] = None
+
+
+def _gpt_model_class() -> type:
+    """GPTModel whose rotary embedding follows `position_ids` for a packed row.
+
+    Megatron's RoPE covers positions 0..S-1 of the row and ignores position_ids; with the local
+    (non-TE) spec a packed row therefore needs the rotary angles gathered at each token's own
+    position, which restarts at 0 in every sample. (With TE, packed rows go through cu_seqlens and
+    Megatron's own THD RoPE instead; rows of a padded batch have positions 0..S-1, where this is a
+    no-op.)"""
+    global _GPT_CLASS
+    if _GPT_CLASS is None:
+        from megatron.core.models.gpt.gpt_model import GPTModel
+
+        class PackedRopeGPTModel(GPTModel):
+            def _preprocess(self, input_ids: Any, position_ids: Any, *args: Any, **kwargs: Any) -> Any:
+                out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
+                packed = kwargs.get("packed_seq_params")
+                rotary = out[1]
+                if rotary is None or packed is not None or position_ids is None or position_ids.shape[0] != 1:
+                    return out
+                positions = position_ids[0]
+                table = self.rotary_pos_emb(int(positions.max()) + 1)  # [P, 1, 1, D]
+                return (out[0], table[positions]) + tuple(out[2:])
+
+        _GPT_CLASS = PackedRopeGPTModel
+    return _GPT_CLASS
+
+
+def layer_offset(chunk: Any) -> int:
+    """Global index of a model chunk's first layer (chunks number their layers from 0): Megatron's
+    own rule, so interleaved chunks (layers v·P·n + p·n … for pipeline rank p, virtual stage v, n
+    layers per chunk) come out the way the schedule runs them."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    inner = getattr(chunk, "module", chunk)  # under Megatron's DDP wrapper
+    return get_transformer_layer_offset(inner.config, vp_stage=inner.vp_stage)

@@ -1,17 +1,18 @@
 """The Megatron-Core policy: build from a HF checkpoint, logprobs, one optimizer step, HF export.
 
 A batch is a dict of tensors on every rank (the controller broadcasts it): `tokens` [B, S] (prompt +
-response, right-padded), `loss_mask` [B, S] (1 on response tokens that train), and any other per-
-token [B, S] or per-sequence [B] fields the loss needs. Per-token values are aligned with `tokens`:
-index t holds the value for the token *at* t (so logprobs[:, 0] is 0: nothing predicts it).
+response, right-padded), `lengths` [B] (tokens of each sample; without it the whole row counts),
+`loss_mask` [B, S] (1 on response tokens that train), and any other per-token [B, S] or per-sample
+[B] fields the loss needs. Per-token values are aligned with `tokens`: index t holds the value for
+the token *at* t (so logprobs[:, 0] is 0: nothing predicts it).
 
-Each DP rank takes a contiguous B / DP slice, cut into micro-batches of `micro_batch_size`; all
-micro-batches of a call share one padded length S, which pipeline P2P shapes require. The caller's
-`loss_fn(micro_batch, logprobs, entropy) -> (loss_sum, denominator, metrics)` follows Megatron's
-per-token loss contract (`calculate_per_token_loss=True`): Megatron sums `loss_sum` and
-`denominator` over micro-batches and DP ranks and divides the gradient once, so any micro-batch ×
-accumulation × DP split of the same batch gives the same gradient. The trainer never looks at which
-loss it runs.
+How the batch becomes micro-batches (packed rows by default, or padded slices) is
+megatron_flash/trainer/micro_batches.py; the loss always sees a padded [n, w] view of its
+micro-batch's samples. The caller's `loss_fn(micro_batch, logprobs, entropy) -> (loss_sum,
+denominator, metrics)` follows Megatron's per-token loss contract (`calculate_per_token_loss=True`):
+Megatron sums `loss_sum` and `denominator` over micro-batches and DP ranks and divides the gradient
+once, so any packing, token budget, micro-batch × accumulation × DP split of the same batch gives the
+same gradient. The trainer never looks at which loss it runs.
 """
 
 from __future__ import annotations
@@ -27,11 +28,15 @@ from megatron_flash.config.schema import OptimizerConfig
 from megatron_flash.trainer.distributed import Layout, init_distributed
 from megatron_flash.trainer.hf_io import export_hf, load_hf_weights
 from megatron_flash.trainer.logprobs import vocab_parallel_logprobs
+from megatron_flash.trainer.micro_batches import BatchingOptions, Micro, build_micro_batches, scatter_rows
 from megatron_flash.trainer.model_builder import (
     DTYPES,
+    ScaleOptions,
     build_gpt_stage,
     padded_vocab_size,
     transformer_config,
+    check_scale_options,
+    use_te,
     validate_layout,
 )
 from megatron_flash.weight_sync.hf_spec import HFModelSpec, read_hf_spec
@@ -49,6 +54,10 @@ class PolicySettings:
     pp_size: int = 1
     dtype: str = "float32"
     micro_batch_size: int = 4
+    pack_sequences: bool = True
+    max_tokens_per_micro_batch: int = 0
+    max_seq_len: int = 0  # 0 = no check
+    scale: ScaleOptions = dataclasses.field(default_factory=ScaleOptions)
     seed: int = 1234
     total_steps: int = 100
     make_vocab_size_divisible_by: int = 128
@@ -58,15 +67,24 @@ class PolicySettings:
 
     def __post_init__(self) -> None:
         self.optimizer.validate()
+        if self.max_tokens_per_micro_batch and not self.pack_sequences:
+            raise ValueError("trainer.max_tokens_per_micro_batch needs trainer.pack_sequences=true")
 
     @classmethod
     def from_run_config(cls, cfg: Any) -> "PolicySettings":
+        t, p = cfg.trainer, cfg.parallel
         return cls(
-            hf_path=cfg.model.hf_path, tp_size=cfg.parallel.tensor_model_parallel_size,
-            pp_size=cfg.parallel.pipeline_model_parallel_size, dtype=cfg.model.dtype,
-            micro_batch_size=cfg.trainer.micro_batch_size, seed=cfg.trainer.seed,
-            total_steps=cfg.trainer.total_steps, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-            use_transformer_engine=cfg.model.use_transformer_engine, backend=cfg.parallel.backend,
+            hf_path=cfg.model.hf_path, tp_size=p.tensor_model_parallel_size,
+            pp_size=p.pipeline_model_parallel_size, dtype=cfg.model.dtype,
+            micro_batch_size=t.micro_batch_size, pack_sequences=t.pack_sequences,
+            max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, max_seq_len=t.max_seq_len,
+            scale=ScaleOptions(sequence_parallel=p.sequence_parallel,
+                               virtual_pipeline_size=p.virtual_pipeline_model_parallel_size,
+                               context_parallel_size=p.context_parallel_size, recompute=t.recompute,
+                               recompute_method=t.recompute_method or "uniform",
+                               recompute_num_layers=t.recompute_num_layers or 1),
+            seed=t.seed, total_steps=t.total_steps, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+            use_transformer_engine=cfg.model.use_transformer_engine, backend=p.backend,
             optimizer=cfg.optimizer,
         )
 
@@ -75,34 +93,50 @@ class MegatronPolicy:
     def __init__(self, settings: PolicySettings) -> None:
         self.settings = s = settings
         self.spec: HFModelSpec = read_hf_spec(s.hf_path)
-        validate_layout(self.spec, tp_size=s.tp_size, pp_size=s.pp_size)
-        self.layout: Layout = init_distributed(tp_size=s.tp_size, pp_size=s.pp_size, seed=s.seed, backend=s.backend)
+        vpp = s.scale.virtual_pipeline_size
+        validate_layout(self.spec, tp_size=s.tp_size, pp_size=s.pp_size, vpp_size=vpp)
+        self.uses_te = use_te(s.use_transformer_engine)
+        check_scale_options(s.scale, optimizer=s.optimizer, uses_te=self.uses_te)
+        self.layout: Layout = init_distributed(tp_size=s.tp_size, pp_size=s.pp_size, seed=s.seed, backend=s.backend,
+                                               vpp_size=vpp, cp_size=s.scale.context_parallel_size)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.config = transformer_config(self.spec, tp_size=s.tp_size, pp_size=s.pp_size, dtype=s.dtype)
+        self.config = transformer_config(self.spec, tp_size=s.tp_size, pp_size=s.pp_size, dtype=s.dtype, scale=s.scale)
         self.padded_vocab = padded_vocab_size(self.spec.vocab_size, divisible_by=s.make_vocab_size_divisible_by,
                                               tp_size=s.tp_size)
-        stage = build_gpt_stage(self.spec, config=self.config, make_vocab_size_divisible_by=s.make_vocab_size_divisible_by,
-                                use_transformer_engine=s.use_transformer_engine)
-        load_hf_weights(stage, s.hf_path, spec=self.spec, layout=self.layout, padded_vocab_size=self.padded_vocab)
-        self.model = self._wrap_ddp(stage)
+        # One model chunk per virtual pipeline stage (one chunk without interleaving); each chunk has
+        # its own DDP wrapper, the optimizer and the schedule take the list.
+        self.chunks: list[Any] = self._wrap_ddp(self._build_chunks())
         self.optimizer, self.scheduler = self._build_optimizer()
-        self._reference: Optional[torch.nn.Module] = None
+        self._reference: Optional[list[torch.nn.Module]] = None
 
-    def _reference_model(self) -> torch.nn.Module:
+    @property
+    def model(self) -> Any:
+        """The model chunks as weight sync, checkpoints and export take them: the single chunk, or
+        the list of chunks under interleaving."""
+        return self.chunks[0] if len(self.chunks) == 1 else self.chunks
+
+    def _build_chunks(self) -> list[torch.nn.Module]:
+        s = self.settings
+        stages = [None] if s.scale.virtual_pipeline_size is None else list(range(s.scale.virtual_pipeline_size))
+        chunks = [build_gpt_stage(self.spec, config=self.config, make_vocab_size_divisible_by=s.make_vocab_size_divisible_by,
+                                  use_transformer_engine=s.use_transformer_engine, vp_stage=v) for v in stages]
+        load_hf_weights(chunks, s.hf_path, spec=self.spec, layout=self.layout, padded_vocab_size=self.padded_vocab)
+        return chunks
+
+    def _reference_model(self) -> list[torch.nn.Module]:
         """The frozen start checkpoint (π_ref for the KL penalty), same layout, built on first use.
         Costs one more copy of this rank's weights; no gradients, no optimizer state."""
         if self._reference is None:
-            s = self.settings
-            stage = build_gpt_stage(self.spec, config=self.config, make_vocab_size_divisible_by=s.make_vocab_size_divisible_by,
-                                    use_transformer_engine=s.use_transformer_engine)
-            load_hf_weights(stage, s.hf_path, spec=self.spec, layout=self.layout, padded_vocab_size=self.padded_vocab)
-            for p in stage.parameters():
-                p.requires_grad_(False)
-            self._reference = stage.eval()
+            chunks = self._build_chunks()
+            for chunk in chunks:
+                for p in chunk.parameters():
+                    p.requires_grad_(False)
+                chunk.eval()
+            self._reference = chunks
         return self._reference
 
     # ------------------------------------------------------------------ construction
-    def _wrap_ddp(self, stage: torch.nn.Module) -> Any:
+    def _wrap_ddp(self, chunks: list[torch.nn.Module]) -> list[Any]:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
@@ -110,10 +144,11 @@ class MegatronPolicy:
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=self.settings.optimizer.use_distributed_optimizer,
         )
-        model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=stage)
+        wrapped = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=chunk,
+                                           disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
         self.config.finalize_model_grads_func = finalize_model_grads
-        self.config.no_sync_func = model.no_sync
-        return model
+        self.config.no_sync_func = [m.no_sync for m in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+        return wrapped
 
     def _build_optimizer(self) -> tuple[Any, Any]:
         from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
@@ -127,8 +162,10 @@ class MegatronPolicy:
             adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
             use_distributed_optimizer=o.use_distributed_optimizer,
+            **({"optimizer_cpu_offload": True, "optimizer_offload_fraction": o.cpu_offload_fraction}
+               if o.cpu_offload_fraction > 0 else {}),
         )
-        optimizer = get_megatron_optimizer(opt_config, [self.model])
+        optimizer = get_megatron_optimizer(opt_config, self.chunks)
         if s.dtype == "float16":
             self.config.grad_scale_func = optimizer.scale_loss
         scheduler = OptimizerParamScheduler(
@@ -140,100 +177,111 @@ class MegatronPolicy:
         return optimizer, scheduler
 
     # ------------------------------------------------------------------ batching
-    def _micro_batches(self, batch: dict[str, torch.Tensor]) -> tuple[list[dict[str, torch.Tensor]], int, int]:
-        """This DP rank's micro-batches; B is padded with masked copies of row 0 to fill them."""
-        tokens = batch["tokens"]
-        b, seq = tokens.shape
-        dp, mbs = self.layout.dp_size, self.settings.micro_batch_size
-        per_rank = -(-b // dp)
-        mbs = min(mbs, per_rank)
-        per_rank = -(-per_rank // mbs) * mbs
-        pad = per_rank * dp - b
-        padded = {}
-        for key, value in batch.items():
-            value = value.to(self.device)
-            if pad:
-                filler = value[:1].expand((pad,) + tuple(value.shape[1:])).clone()
-                if key == "loss_mask":
-                    filler.zero_()
-                value = torch.cat([value, filler])
-            padded[key] = value
-        lo = self.layout.dp_rank * per_rank
-        mine = {k: v[lo:lo + per_rank] for k, v in padded.items()}
-        micro = [{k: v[i:i + mbs] for k, v in mine.items()} for i in range(0, per_rank, mbs)]
-        return micro, mbs, seq
+    def _batching(self) -> BatchingOptions:
+        s, pp = self.settings, self.layout.pp_size
+        interleaved = len(self.chunks) > 1  # the interleaved schedule groups micro-batches by PP
+        return BatchingOptions(
+            pack=s.pack_sequences, micro_batch_size=s.micro_batch_size, max_tokens=s.max_tokens_per_micro_batch,
+            max_seq_len=s.max_seq_len, pad_multiple=s.tp_size * s.scale.context_parallel_size * 2
+            if s.scale.context_parallel_size > 1 else s.tp_size,
+            equal_rows=pp > 1, min_micro_batches=pp if interleaved else 1,
+            micro_batch_multiple=pp if interleaved else 1, thd=self.uses_te,
+        )
 
-    def _logprobs_of(self, output: torch.Tensor, tokens: torch.Tensor, *, temperature: float,
+    def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[Micro]:
+        return build_micro_batches(batch, self._batching(), dp_rank=self.layout.dp_rank,
+                                   dp_size=self.layout.dp_size, device=self.device)
+
+    def _logprobs_of(self, output: torch.Tensor, m: Micro, *, temperature: float,
                      with_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Logprobs (and entropy) of the micro-batch's samples, [n, w] (the loss's view)."""
         from megatron.core import parallel_state as ps
 
+        tokens = m.tokens
         lp, ent = vocab_parallel_logprobs(
             output[:, :-1], tokens[:, 1:], vocab_size=self.spec.vocab_size, tp_rank=self.layout.tp_rank,
             tp_size=self.layout.tp_size, tp_group=ps.get_tensor_model_parallel_group(),
             temperature=temperature, with_entropy=with_entropy,
         )
         zero = lp.new_zeros(lp.shape[0], 1)
-        lp = torch.cat([zero, lp], dim=1)
+        lp = m.unpack(torch.cat([zero, lp], dim=1))
         if ent is not None:
-            ent = torch.cat([zero, ent], dim=1)
+            ent = m.unpack(torch.cat([zero, ent], dim=1))
         return lp, ent
 
-    def _forward_step(self, loss_factory: Callable[[dict[str, torch.Tensor]], Callable[[torch.Tensor], Any]],
-                      data: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[torch.Tensor, Any]:
-        mb = next(data)
-        tokens = mb["tokens"]
-        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        output = model(tokens, positions, attention_mask=None)
-        return output, loss_factory(mb)
+    @staticmethod
+    def _forward_step(loss_factory: Callable[[Micro], Callable[[torch.Tensor], Any]],
+                      data: Iterator[Micro], model: Any) -> tuple[torch.Tensor, Any]:
+        m = next(data)
+        output = model(m.tokens, m.positions, attention_mask=m.attention_mask,
+                       packed_seq_params=m.packed_seq_params)
+        return output, loss_factory(m)
 
-    def _run(self, micro: list[dict[str, torch.Tensor]], mbs: int, seq: int, *, forward_only: bool,
-             loss_factory: Callable[[dict[str, torch.Tensor]], Callable[[torch.Tensor], Any]],
-             model: Optional[torch.nn.Module] = None) -> list[Any]:
+    def _run(self, micro: list[Micro], *, forward_only: bool,
+             loss_factory: Callable[[Micro], Callable[[torch.Tensor], Any]],
+             chunks: Optional[list[torch.nn.Module]] = None) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        chunks = chunks if chunks is not None else self.chunks
+        # Every chunk of an interleaved stage reads the same micro-batch sequence.
+        data = [iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro)
         return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, loss_factory), data_iterator=iter(micro),
-            model=[model if model is not None else self.model], num_microbatches=len(micro), seq_length=seq,
-            micro_batch_size=mbs, forward_only=forward_only,
+            forward_step_func=partial(self._forward_step, loss_factory), data_iterator=data,
+            model=chunks, num_microbatches=len(micro), seq_length=micro[0].row_len,
+            micro_batch_size=int(micro[0].tokens.shape[0]), forward_only=forward_only,
         )
+
+    def _gather(self, micro: list[Micro], store: list[dict[str, torch.Tensor]], key: str,
+                shape: tuple[int, ...]) -> torch.Tensor:
+        """Per-sample outputs of the last stage's micro-batches → [B, S, ...] on every rank."""
+        from megatron.core import parallel_state as ps
+
+        values = [d[key] for d in store] if self.layout.is_last_stage else []
+        local = scatter_rows(micro, values, shape, self.device)
+        if self.layout.pp_size > 1:
+            dist.broadcast(local, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        if self.layout.dp_size > 1:  # each sample lives on exactly one DP rank; the others hold 0
+            dist.all_reduce(local, group=ps.get_data_parallel_group())
+        return local.cpu()
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
     def compute_logprobs(self, batch: dict[str, torch.Tensor], *, temperature: float = 1.0,
                          with_entropy: bool = False,
                          reference: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Logprobs (and entropy) of `batch['tokens']`, [B, S] on every rank, forward only; of the
-        frozen start checkpoint instead of the trained weights when `reference`."""
-        b = batch["tokens"].shape[0]
-        micro, mbs, seq = self._micro_batches({"tokens": batch["tokens"], "loss_mask": batch["tokens"] * 0})
+        """Logprobs (and entropy) of `batch['tokens']`, [B, S] on every rank (0 past each sample's
+        `lengths`), forward only; of the frozen start checkpoint instead of the trained weights when
+        `reference`."""
+        view = {k: batch[k] for k in ("tokens", "lengths") if k in batch}
+        micro = self._micro_batches({**view, "loss_mask": torch.zeros_like(batch["tokens"], dtype=torch.float32)})
 
-        def factory(mb: dict[str, torch.Tensor]) -> Callable[[torch.Tensor], Any]:
+        def factory(m: Micro) -> Callable[[torch.Tensor], Any]:
             def loss_func(output: torch.Tensor) -> Any:
-                lp, ent = self._logprobs_of(output, mb["tokens"], temperature=temperature, with_entropy=with_entropy)
+                lp, ent = self._logprobs_of(output, m, temperature=temperature, with_entropy=with_entropy)
                 extra = {"logprobs": lp} if ent is None else {"logprobs": lp, "entropy": ent}
                 return lp.new_zeros(()), torch.tensor(1, dtype=torch.int), extra
             return loss_func
 
-        store = self._run(micro, mbs, seq, forward_only=True, loss_factory=factory,
-                          model=self._reference_model() if reference else None)
-        keys = ["logprobs"] + (["entropy"] if with_entropy else [])
-        out = []
-        for key in keys:
-            local = (torch.cat([d[key] for d in store]) if self.layout.is_last_stage
-                     else torch.empty(len(micro) * mbs, seq, device=self.device))
-            out.append(self._share(local)[:b].cpu())
-        return out[0], (out[1] if with_entropy else None)
+        store = self._run(micro, forward_only=True, loss_factory=factory,
+                          chunks=self._reference_model() if reference else None)
+        shape = tuple(batch["tokens"].shape)
+        lp = self._gather(micro, store, "logprobs", shape)
+        return lp, (self._gather(micro, store, "entropy", shape) if with_entropy else None)
 
     @torch.no_grad()
-    def compute_logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits [B, S, V] on every rank (vocab padding stripped). For checks only:
-        it gathers the vocabulary across TP, which the training path never does."""
+    def compute_logits(self, tokens: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Full-vocabulary logits [B, S, V] on every rank (vocab padding stripped; 0 past each
+        sample's `lengths`). For checks only: it gathers the vocabulary across TP, which the
+        training path never does."""
         from megatron.core import parallel_state as ps
 
-        b = tokens.shape[0]
-        micro, mbs, seq = self._micro_batches({"tokens": tokens, "loss_mask": tokens * 0})
+        batch = {"tokens": tokens, "loss_mask": torch.zeros_like(tokens, dtype=torch.float32)}
+        if lengths is not None:
+            batch["lengths"] = lengths
+        micro = self._micro_batches(batch)
 
-        def factory(mb: dict[str, torch.Tensor]) -> Callable[[torch.Tensor], Any]:
+        def factory(m: Micro) -> Callable[[torch.Tensor], Any]:
             def loss_func(output: torch.Tensor) -> Any:
                 parts = [torch.empty_like(output) for _ in range(self.layout.tp_size)]
                 if self.layout.tp_size > 1:
@@ -241,52 +289,40 @@ class MegatronPolicy:
                 else:
                     parts = [output]
                 full = torch.cat(parts, dim=-1)[..., : self.spec.vocab_size].float()
+                if m.index is not None:  # packed: logit t predicts token t+1, keep it at column t
+                    full = full[0][m.index.to(full.device)] * m.valid.to(full.device)[..., None]
                 return full.new_zeros(()), torch.tensor(1, dtype=torch.int), {"logits": full}
             return loss_func
 
-        store = self._run(micro, mbs, seq, forward_only=True, loss_factory=factory)
-        vocab = self.spec.vocab_size
-        local = (torch.cat([d["logits"] for d in store]) if self.layout.is_last_stage
-                 else torch.empty(len(micro) * mbs, seq, vocab, device=self.device))
-        return self._share(local)[:b].cpu()
-
-    def _share(self, local: torch.Tensor) -> torch.Tensor:
-        """Last PP stage → every stage, then all DP slices → every rank."""
-        from megatron.core import parallel_state as ps
-
-        local = local.contiguous()
-        if self.layout.pp_size > 1:
-            dist.broadcast(local, src=ps.get_pipeline_model_parallel_last_rank(),
-                           group=ps.get_pipeline_model_parallel_group())
-        if self.layout.dp_size > 1:
-            parts = [torch.empty_like(local) for _ in range(self.layout.dp_size)]
-            dist.all_gather(parts, local, group=ps.get_data_parallel_group())
-            local = torch.cat(parts)
-        return local
+        store = self._run(micro, forward_only=True, loss_factory=factory)
+        return self._gather(micro, store, "logits", tuple(tokens.shape) + (self.spec.vocab_size,))
 
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, temperature: float = 1.0,
                    with_entropy: bool = False) -> dict[str, float]:
         """One optimizer step on `batch`. Returns metrics (token-weighted means) on every rank."""
-        micro, mbs, seq = self._micro_batches(batch)
+        micro = self._micro_batches(batch)
 
-        def factory(mb: dict[str, torch.Tensor]) -> Callable[[torch.Tensor], Any]:
+        def factory(m: Micro) -> Callable[[torch.Tensor], Any]:
             def loss_func(output: torch.Tensor) -> Any:
-                lp, ent = self._logprobs_of(output, mb["tokens"], temperature=temperature, with_entropy=with_entropy)
-                loss_sum, denom, metrics = loss_fn(mb, lp, ent)
+                lp, ent = self._logprobs_of(output, m, temperature=temperature, with_entropy=with_entropy)
+                loss_sum, denom, metrics = loss_fn(m.fields, lp, ent)
                 report = {"loss_sum": loss_sum.detach().float(), "denominator": denom.detach().float()}
                 for k, v in metrics.items():  # weight by the micro-batch's denominator
                     report[k] = v.detach().float() * denom.detach().float()
                 return loss_sum, denom.to(torch.int), report
             return loss_func
 
-        self.model.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        store = self._run(micro, mbs, seq, forward_only=False, loss_factory=factory)
+        store = self._run(micro, forward_only=False, loss_factory=factory)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
         update_ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         metrics = self._reduce_metrics(store, grad_norm=grad_norm, update_ok=update_ok)
         metrics["lr"] = lr
+        metrics["micro_batches"] = float(len(micro))
+        metrics["tokens_computed"] = float(sum(m.tokens.numel() for m in micro))
         return metrics
 
     def _reduce_metrics(self, store: list[dict[str, torch.Tensor]], *, grad_norm: Any, update_ok: bool) -> dict[str, float]:
@@ -315,4 +351,4 @@ class MegatronPolicy:
         return out
 
     def export_hf(self, out_dir: str) -> None:
-        export_hf(self.model, out_dir, spec=self.spec, layout=self.layout, source_dir=self.settings.hf_path)
+        export_hf(self.chunks, out_dir, spec=self.spec, layout=self.layout, source_dir=self.settings.hf_path)

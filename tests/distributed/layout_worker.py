@@ -20,6 +20,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_flash.config.schema import OptimizerConfig  # noqa: E402
 from megatron_flash.trainer.distributed import destroy_distributed  # noqa: E402
+from megatron_flash.trainer.model_builder import ScaleOptions  # noqa: E402
 from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings  # noqa: E402
 
 
@@ -27,10 +28,11 @@ def fixed_batch(vocab: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(123)
     tokens = torch.randint(0, vocab, (8, 16), generator=gen)
     mask = torch.zeros(8, 16)
-    for i in range(8):  # responses of different lengths after a 4-token prompt
-        mask[i, 4 : 6 + i] = 1.0
+    lengths = torch.tensor([6, 16, 7, 11, 8, 13, 9, 12])  # a 4-token prompt + responses of 2..12
+    for i, n in enumerate(lengths.tolist()):
+        mask[i, 4:n] = 1.0
     weights = torch.randn(8, 16, generator=gen)
-    return {"tokens": tokens, "loss_mask": mask, "weights": weights}
+    return {"tokens": tokens, "lengths": lengths, "loss_mask": mask, "weights": weights}
 
 
 def weighted_nll(mb: dict[str, torch.Tensor], logprobs: torch.Tensor, entropy: object):
@@ -64,10 +66,21 @@ def main() -> None:
     p.add_argument("--loss", default="", help="registry loss (e.g. tis); default: fixed weighted NLL")
     p.add_argument("--aggregation", default="token_mean")
     p.add_argument("--loss-param", action="append", default=[], help="key=value for the loss")
+    p.add_argument("--no-pack", action="store_true", help="padded micro-batches (trainer.pack_sequences=false)")
+    p.add_argument("--max-tokens", type=int, default=0, help="trainer.max_tokens_per_micro_batch")
+    p.add_argument("--vpp", type=int, default=None)
+    p.add_argument("--sp", action="store_true", help="sequence parallel")
+    p.add_argument("--cp", type=int, default=1, help="context parallel size")
+    p.add_argument("--recompute", default="none")
+    p.add_argument("--lr", type=float, default=1e-3)
     args = p.parse_args()
     policy = MegatronPolicy(PolicySettings(
         hf_path=args.hf_dir, tp_size=args.tp, pp_size=args.pp, micro_batch_size=args.micro_batch_size,
-        optimizer=OptimizerConfig(name=args.optimizer, lr=1e-3, clip_grad=1e6,
+        pack_sequences=not args.no_pack, max_tokens_per_micro_batch=args.max_tokens,
+        scale=ScaleOptions(sequence_parallel=args.sp, virtual_pipeline_size=args.vpp, recompute=args.recompute,
+                           context_parallel_size=args.cp,
+                           recompute_num_layers=1),
+        optimizer=OptimizerConfig(name=args.optimizer, lr=args.lr, clip_grad=1e6,
                                   use_distributed_optimizer=args.distributed_optimizer),
     ))
     batch = fixed_batch(policy.spec.vocab_size)

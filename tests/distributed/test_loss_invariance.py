@@ -1,10 +1,13 @@
 """Registry losses through Megatron's per-token contract: the gradient does not depend on the split.
 
-  case     procs  DP  micro-batch  micro-batches per rank
-  -------  -----  --  -----------  ----------------------
-  mb8        1     1       8                1
-  mb1        1     1       1                8
-  dp2_mb1    2     2       1                4
+  case          procs  DP  batching                                   micro-batches per rank
+  ------------  -----  --  -----------------------------------------  ----------------------
+  mb8             1     1  packed, ≤ 8 samples per micro-batch                  1
+  padded_mb8      1     1  padded to the longest (pack_sequences=false)         1
+  mb1             1     1  packed, 1 sample per micro-batch                     8
+  dp2_mb1         2     2  packed, 1 sample                                     4
+  budget20        1     1  packed, ≤ 20 tokens per micro-batch              varies (≥ 5)
+  dp2_budget20    2     2  packed, ≤ 20 tokens, DP balanced by tokens       varies
 
 One SGD step from the same state on the same off-policy batch (behavior ≠ proximal logprobs, mixed
 rewards) must give the same weights (1e-6 abs, step size ~1e-3), for both aggregation modes.
@@ -21,8 +24,10 @@ from safetensors.torch import load_file
 
 from tests.conftest import run_tool
 
-SPLITS = {"mb8": (1, ["--micro-batch-size", "8"]), "mb1": (1, ["--micro-batch-size", "1"]),
-          "dp2_mb1": (2, ["--micro-batch-size", "1"])}
+BUDGET = ["--micro-batch-size", "8", "--max-tokens", "20"]
+SPLITS = {"mb8": (1, ["--micro-batch-size", "8"]), "padded_mb8": (1, ["--micro-batch-size", "8", "--no-pack"]),
+          "mb1": (1, ["--micro-batch-size", "1"]), "dp2_mb1": (2, ["--micro-batch-size", "1"]),
+          "budget20": (1, BUDGET), "dp2_budget20": (2, BUDGET)}
 LOSSES = {
     "decoupled_ppo-seq_mean_token_mean": ["--loss", "decoupled_ppo", "--aggregation", "seq_mean_token_mean",
                                           "--loss-param", "eps_high=0.28"],
@@ -48,7 +53,7 @@ def test_same_step_for_every_split(tiny_models, tmp_path, loss: str) -> None:
     before, ref = result["mb8"]
     moved = max((ref[k] - before[k]).abs().max().item() for k in ref)
     assert moved > 1e-4, "the step did not move the weights"
-    for split in ("mb1", "dp2_mb1"):
+    for split in SPLITS:
         got = result[split][1]
         worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
         assert worst <= 1e-6, f"{loss}: {split} differs from mb8 by {worst} (step size {moved})"

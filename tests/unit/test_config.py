@@ -264,7 +264,7 @@ def test_unresolvable_interpolation_names_key() -> None:
 
 @pytest.mark.parametrize("overrides, expected", [
     (["parallel.tensor_model_parallel_size=0"], "parallel.tensor_model_parallel_size must be >= 1, got 0"),
-    (["trainer.micro_batch_size=5"],
+    (["trainer.micro_batch_size=5", "trainer.pack_sequences=false"],
      "trainer.global_batch_size must be divisible by trainer.micro_batch_size=5, got 64"),
     (["trainer.global_batch_size=60", "trainer.micro_batch_size=4"],
      "trainer.global_batch_size must be divisible by rollout.n_samples_per_prompt=8"),

@@ -1,0 +1,182 @@
+"""This rank's micro-batches of a global batch: packed rows (default) or padded fixed-size slices.
+
+The global batch is the trainer's padded layout (`tokens` [B, S], per-token fields [B, S], per-
+sample fields [B]; every rank holds all of it). A `Micro` is what one forward/backward pass runs:
+
+  model input   tokens / positions [r, T] (+ the attention layout: a block-diagonal causal mask on
+                the local spec, or cu_seqlens for Transformer Engine's THD path)
+  loss view     `fields`: the micro-batch's samples as [n, w] / [n] slices of the global batch,
+                exactly what a padded micro-batch gave the loss before packing existed, so losses
+                and aggregation never see the packing
+  unpack        `unpack(x)` turns a per-position model output of the row ([1, T] or [1, T, V])
+                into that [n, w] view; the padded path needs none (rows are samples)
+
+Packed: see megatron_flash/trainer/packing.py for the plan. Padded (trainer.pack_sequences=false,
+the layout before packing): each DP rank takes a contiguous B / DP slice cut into micro-batches of
+`micro_batch_size` rows of the full width S, topped up with masked copies of row 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from megatron_flash.trainer.packing import (
+    SampleTooLong,
+    block_causal_mask,
+    cu_seqlens,
+    packed_inputs,
+    plan_micro_batches,
+    round_up,
+    unpack_index,
+)
+
+
+@dataclasses.dataclass
+class Micro:
+    tokens: torch.Tensor  # [r, T] model input
+    positions: torch.Tensor  # [r, T]
+    fields: dict[str, torch.Tensor]  # the loss's [n, w] / [n] view
+    sample_ids: torch.Tensor  # [n] global row of each sample; -1 for filler rows (never reported)
+    attention_mask: Optional[torch.Tensor] = None
+    packed_seq_params: Any = None
+    index: Optional[torch.Tensor] = None  # [n, w] positions in the packed row
+    valid: Optional[torch.Tensor] = None  # [n, w]
+
+    @property
+    def row_len(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, T, ...] per-position values of the packed row → [n, w, ...]; padding positions 0.
+        Column 0 of each sample is 0 too (nothing in the sample predicts its first token)."""
+        if self.index is None:
+            return x
+        out = x[0][self.index.to(x.device)]
+        keep = self.valid.to(x.device).clone()
+        keep[:, 0] = False
+        keep = keep.view(keep.shape + (1,) * (out.dim() - 2))
+        return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchingOptions:
+    pack: bool = True
+    micro_batch_size: int = 4  # samples per micro-batch (a cap when packing)
+    max_tokens: int = 0  # packing: token budget per micro-batch, 0 = none
+    max_seq_len: int = 0  # longest sample accepted, 0 = no check
+    pad_multiple: int = 1  # rows padded to a multiple of this (TP size, for sequence parallel)
+    equal_rows: bool = False  # pipeline parallel: every row of the step has the same length
+    min_micro_batches: int = 1
+    micro_batch_multiple: int = 1
+    thd: bool = False  # Transformer Engine: cu_seqlens instead of an explicit mask
+
+
+def sample_lengths(batch: dict[str, torch.Tensor], *, max_seq_len: int = 0) -> list[int]:
+    """Tokens of each sample (prompt + response): the batch's `lengths` field (set by `collate`)
+    when present, else the row width (every token of the row counts)."""
+    if "lengths" in batch:
+        lengths = [int(n) for n in batch["lengths"].tolist()]
+    else:
+        lengths = [int(batch["tokens"].shape[1])] * int(batch["tokens"].shape[0])
+    if max_seq_len:
+        for i, n in enumerate(lengths):
+            if n > max_seq_len:
+                raise SampleTooLong(f"sample {i} has {n} tokens (prompt + response), more than "
+                                    f"trainer.max_seq_len={max_seq_len}")
+    return lengths
+
+
+def build_micro_batches(batch: dict[str, torch.Tensor], opts: BatchingOptions, *, dp_rank: int,
+                        dp_size: int, device: torch.device) -> list[Micro]:
+    lengths = sample_lengths(batch, max_seq_len=opts.max_seq_len)
+    if opts.pack:
+        return _packed(batch, lengths, opts, dp_rank=dp_rank, dp_size=dp_size, device=device)
+    return _padded(batch, opts, dp_rank=dp_rank, dp_size=dp_size, device=device)
+
+
+def _fields(batch: dict[str, torch.Tensor], rows: torch.Tensor, width: int,
+            device: torch.device) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in batch.items():
+        if key == "lengths":
+            continue
+        v = value[rows]
+        if v.dim() >= 2:
+            v = v[:, :width]
+        out[key] = v.to(device)
+    return out
+
+
+def _packed(batch: dict[str, torch.Tensor], lengths: list[int], opts: BatchingOptions, *, dp_rank: int,
+            dp_size: int, device: torch.device) -> list[Micro]:
+    plan = plan_micro_batches(lengths, dp_size=dp_size, max_tokens=opts.max_tokens,
+                              max_samples=opts.micro_batch_size, pad_multiple=opts.pad_multiple,
+                              equal_rows=opts.equal_rows, min_micro_batches=opts.min_micro_batches,
+                              micro_batch_multiple=opts.micro_batch_multiple)[dp_rank]
+    tokens = batch["tokens"]
+    micro = []
+    for mb in plan:
+        width = max(mb.lengths)
+        rows = torch.tensor(mb.indices)
+        fields = _fields(batch, rows, width, device)
+        if mb.filler:  # trains nothing; its logprobs are never reported
+            fields["loss_mask"] = torch.zeros_like(fields["loss_mask"])
+        row, positions = packed_inputs(mb, tokens, pad_id=0)
+        index, valid = unpack_index(mb, width)
+        m = Micro(tokens=row.to(device), positions=positions.to(device), fields=fields,
+                  sample_ids=torch.full((1,), -1) if mb.filler else rows, index=index, valid=valid)
+        segments = mb.segment_lengths()
+        if opts.thd:
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            cu = cu_seqlens(segments, device)
+            longest = max(segments)
+            m.packed_seq_params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                  max_seqlen_q=longest, max_seqlen_kv=longest)
+        elif len(segments) > 1:  # one segment is plain causal attention: Megatron's default mask
+            m.attention_mask = block_causal_mask(segments, device)
+        micro.append(m)
+    return micro
+
+
+def _padded(batch: dict[str, torch.Tensor], opts: BatchingOptions, *, dp_rank: int, dp_size: int,
+            device: torch.device) -> list[Micro]:
+    tokens = batch["tokens"]
+    b, seq = tokens.shape
+    width = round_up(seq, opts.pad_multiple)
+    per_rank = -(-b // dp_size)
+    mbs = min(opts.micro_batch_size, per_rank)
+    per_rank = round_up(per_rank, mbs)
+    count = round_up(max(per_rank // mbs, opts.min_micro_batches), opts.micro_batch_multiple)
+    per_rank = count * mbs
+    ids = torch.arange(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    real = ids < b
+    rows = torch.where(real, ids, torch.zeros_like(ids))  # masked copies of row 0 fill the slice
+    fields = _fields(batch, rows, seq, device)
+    fields["loss_mask"] = fields["loss_mask"] * real.to(device)[:, None]
+    if width != seq:
+        fields = {k: (torch.nn.functional.pad(v, (0, width - seq)) if v.dim() >= 2 else v)
+                  for k, v in fields.items()}
+    positions = torch.arange(width, device=device).unsqueeze(0).expand(mbs, width)
+    micro = []
+    for lo in range(0, per_rank, mbs):
+        part = {k: v[lo:lo + mbs] for k, v in fields.items()}
+        micro.append(Micro(tokens=part["tokens"], positions=positions, fields=part,
+                           sample_ids=torch.where(real[lo:lo + mbs], ids[lo:lo + mbs], -1)))
+    return micro
+
+
+def scatter_rows(micro: list[Micro], values: list[torch.Tensor], shape: tuple[int, ...],
+                 device: torch.device) -> torch.Tensor:
+    """Each micro-batch's [n, w, ...] rows into a zero [B, S, ...] tensor at their global rows."""
+    out = torch.zeros(shape, device=device)
+    for m, v in zip(micro, values):
+        keep = m.sample_ids >= 0
+        if not bool(keep.any()):
+            continue
+        w = min(v.shape[1], shape[1])
+        out[m.sample_ids[keep].to(device), :w] = v[keep.to(v.device), :w].to(out.dtype)
+    return out

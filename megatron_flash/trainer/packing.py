@@ -1,0 +1,169 @@
+"""Sequence packing: which samples go into which micro-batch of which DP rank (pure Python + torch).
+
+RL responses are long-tailed, so padding every sample of a step to the longest one makes most of the
+trainer's compute padding. Instead each micro-batch is *one row* of whole samples laid end to end;
+attention never crosses a sample boundary and positions restart at 0 for each sample (the policy
+builds the block-diagonal causal mask, or Transformer Engine's cu_seqlens, from `segment_lengths`).
+
+The plan, computed identically on every rank from the global batch's sample lengths:
+
+  1. DP balance by tokens: samples longest first, each to the DP rank holding the fewest tokens so
+     far (ties: the lower rank). Every rank then does about the same work whatever the length mix.
+  2. Micro-batches by budget: on each rank, first-fit decreasing into bins of at most
+     `max_tokens` tokens (0 = no token limit) and at most `max_samples` samples. The number of
+     micro-batches varies with the lengths; a sample longer than the budget is an error.
+  3. Row length: the bin's tokens rounded up to `pad_multiple` (TP size, for sequence parallel).
+     Pipeline stages exchange activations of one fixed shape, so with PP > 1 every row of the step
+     is padded to the longest row (`equal_rows`): the waste is one bin's slack, not each sample's.
+  4. A rank with no sample (fewer samples than DP ranks) gets one filler micro-batch: a single pad
+     token with no trained token, so every rank runs the same collective schedule.
+
+Worked example: lengths [9, 2, 7, 3, 5, 1], DP 2, budget 10, no sample cap. Longest first, to the
+lighter rank (ties to rank 0): 9→r0, 7→r1, 5→r1, 3→r0, 2→r0 (12 = 12), 1→r1; loads 14 and 13.
+First fit on r0 [9, 3, 2] gives bins [9], [3, 2]; on r1 [7, 5, 1] gives [7, 1], [5]. Four rows of
+9, 5, 8 and 5 tokens instead of six rows of 9 (33 tokens computed instead of 54).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+
+class SampleTooLong(ValueError):
+    """A sample does not fit the micro-batch token budget (never silently dropped)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatch:
+    """One packed row: samples `indices` (into the global batch) laid end to end in that order."""
+
+    indices: tuple[int, ...]
+    lengths: tuple[int, ...]
+    row_len: int  # tokens in the row, padding included (>= sum(lengths))
+    filler: bool = False  # a rank with no sample: one pad token that trains nothing
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def segment_lengths(self) -> list[int]:
+        """Lengths of the row's attention segments: each sample, then the padding tail (if any)."""
+        tail = self.row_len - self.num_tokens
+        return list(self.lengths) + ([tail] if tail else [])
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def balance_over_ranks(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
+    """Sample indices per DP rank, longest first, each to the rank with the fewest tokens so far."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    loads = [0] * dp_size
+    ranks: list[list[int]] = [[] for _ in range(dp_size)]
+    for i in order:
+        r = min(range(dp_size), key=lambda k: (loads[k], k))
+        ranks[r].append(i)
+        loads[r] += lengths[i]
+    return ranks
+
+
+def _first_fit(indices: Sequence[int], lengths: Sequence[int], *, max_tokens: int,
+               max_samples: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    used: list[int] = []
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        for b, members in enumerate(bins):
+            fits = max_tokens <= 0 or used[b] + lengths[i] <= max_tokens
+            if fits and len(members) < max_samples:
+                members.append(i)
+                used[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            used.append(lengths[i])
+    return bins
+
+
+def plan_micro_batches(lengths: Sequence[int], *, dp_size: int, max_tokens: int = 0, max_samples: int,
+                       pad_multiple: int = 1, equal_rows: bool = False,
+                       min_micro_batches: int = 1, micro_batch_multiple: int = 1) -> list[list[MicroBatch]]:
+    """Micro-batches for every DP rank (list index = DP rank).
+
+    `min_micro_batches` / `micro_batch_multiple`: the interleaved pipeline schedule needs at least PP
+    micro-batches and a count it can group by PP; extra micro-batches are fillers (one pad token).
+    """
+    if max_samples < 1:
+        raise ValueError(f"max_samples must be >= 1, got {max_samples}")
+    if max_tokens > 0:
+        for i, n in enumerate(lengths):
+            if n > max_tokens:
+                raise SampleTooLong(f"sample {i} has {n} tokens (prompt + response), more than "
+                                    f"trainer.max_tokens_per_micro_batch={max_tokens}")
+    plans: list[list[list[int]]] = [
+        _first_fit(mine, lengths, max_tokens=max_tokens, max_samples=max_samples)
+        for mine in balance_over_ranks(lengths, dp_size)
+    ]
+    rows = [round_up(max(sum(lengths[i] for i in b), 1), pad_multiple) for bins in plans for b in bins]
+    common = max(rows, default=pad_multiple) if equal_rows else 0
+    out: list[list[MicroBatch]] = []
+    for bins in plans:
+        mbs = []
+        for b in bins:
+            lens = tuple(lengths[i] for i in b)
+            mbs.append(MicroBatch(indices=tuple(b), lengths=lens,
+                                  row_len=common or round_up(sum(lens), pad_multiple)))
+        count = max(len(mbs), min_micro_batches)
+        count = round_up(count, micro_batch_multiple)
+        filler_len = common or round_up(1, pad_multiple)
+        mbs += [MicroBatch(indices=(0,), lengths=(1,), row_len=filler_len, filler=True)
+                for _ in range(count - len(mbs))]
+        out.append(mbs)
+    return out
+
+
+def packed_inputs(mb: MicroBatch, tokens: torch.Tensor, *, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [1, row_len], position ids [1, row_len]) of a packed row from padded `tokens` [B, S].
+
+    Positions restart at 0 in every segment (the padding tail counts as a segment of its own)."""
+    parts, positions = [], []
+    for i, n in zip(mb.indices, mb.lengths):
+        parts.append(tokens[i, :n])
+    tail = mb.row_len - mb.num_tokens
+    if tail:
+        parts.append(torch.full((tail,), pad_id, dtype=tokens.dtype, device=tokens.device))
+    for n in mb.segment_lengths():
+        positions.append(torch.arange(n, device=tokens.device))
+    return torch.cat(parts).unsqueeze(0), torch.cat(positions).unsqueeze(0)
+
+
+def block_causal_mask(segment_lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """[1, 1, T, T] bool, True where attention is *masked* (Megatron's convention): causal inside
+    each segment, nothing across segments."""
+    seg = torch.repeat_interleave(torch.arange(len(segment_lengths), device=device),
+                                  torch.tensor(list(segment_lengths), device=device))
+    t = seg.shape[0]
+    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    allowed = causal & (seg[:, None] == seg[None, :])
+    return (~allowed).view(1, 1, t, t)
+
+
+def cu_seqlens(segment_lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Cumulative segment boundaries [0, l0, l0+l1, …] as int32 (Transformer Engine's THD layout)."""
+    out = torch.zeros(len(segment_lengths) + 1, dtype=torch.int32, device=device)
+    out[1:] = torch.cumsum(torch.tensor(list(segment_lengths), dtype=torch.int32, device=device), 0)
+    return out
+
+
+def unpack_index(mb: MicroBatch, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index [n, width] into the packed row, valid [n, width] bool): row j column t of the
+    unpacked view is packed position offset_j + t where t < length_j."""
+    n = len(mb.indices)
+    offsets = torch.tensor([0] + list(mb.lengths[:-1])).cumsum(0)
+    cols = torch.arange(width)
+    valid = cols[None, :] < torch.tensor(mb.lengths)[:, None]
+    index = torch.where(valid, offsets[:, None] + cols[None, :], torch.zeros(n, width, dtype=torch.long))
+    return index, valid

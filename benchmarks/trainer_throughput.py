@@ -1,0 +1,208 @@
+"""Trainer throughput on a long-tail RL batch: padded micro-batches vs packed by token budget vs bare Megatron.
+
+    python benchmarks/trainer_throughput.py                                   # CPU defaults (2 cores: ~3 min)
+    python benchmarks/trainer_throughput.py --hidden-size 1024 --num-layers 16 --dtype bfloat16 \\
+        --batch 128 --mean-len 2000 --max-len 16384                             # one GPU
+
+One batch of `--batch` samples: a `--prompt-len`-token prompt and a response whose length is drawn
+from a lognormal (σ = `--sigma`) with mean `--mean-len`, capped at `--max-len`; the longest response is
+stretched until max/mean ≥ `--max-ratio` (6 by default) so the tail is always there. The same batch,
+with the same policy (one MegatronPolicy, Adam, the `tis` loss through the product's loss adapter),
+goes through three ways of training, alternated over `--rounds` rounds (side by side, so drift of the
+machine hits all three alike):
+
+  (a) padded   trainer.pack_sequences=false: every sample padded to the step's longest, fixed
+               micro-batches of `--padded-micro-batch` samples (the trainer before packing)
+  (b) packed   trainer.pack_sequences=true, trainer.max_tokens_per_micro_batch=`--max-tokens`
+               (default: the longest sample): whole samples per row, DP-balanced by tokens
+  (c) bare     Megatron alone: get_forward_backward_func over the very micro-batches (b) builds
+               (built before the clock starts), a trivial loss (sum of the logits), the same
+               optimizer step; none of the product's batching, logprob or loss code
+
+tokens/s counts real tokens (prompt + response of every sample) per second of a full optimizer step.
+Last line, one JSON object: tokens_per_s_padded, tokens_per_s_packed, speedup (b ÷ a), ratio_to_bare
+(b ÷ c), padding_frac_padded, padding_frac_packed (share of computed positions that are padding), and
+on CUDA mfu (model FLOPs of the real tokens ÷ `--peak-tflops`: 6·N per token for the N non-embedding
+and output parameters plus 6·layers·hidden·Σ l² for causal attention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def response_lengths(*, batch: int, mean: float, sigma: float, max_len: int, max_ratio: float,
+                     seed: int) -> list[int]:
+    rng = random.Random(seed)
+    mu = math.log(mean) - sigma ** 2 / 2  # lognormal with this mean
+    lengths = [min(max_len, max(1, round(rng.lognormvariate(mu, sigma)))) for _ in range(batch)]
+    longest = max(range(batch), key=lambda i: lengths[i])
+    while max(lengths) < max_ratio * statistics.mean(lengths) and lengths[longest] < max_len:
+        lengths[longest] = min(max_len, math.ceil(max_ratio * statistics.mean(lengths)) + 1)
+    return lengths
+
+
+def make_batch(lengths: list[int], *, prompt_len: int, vocab: int, seed: int) -> dict[str, Any]:
+    import torch
+
+    from megatron_flash.types import Sample, collate
+
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(1, vocab, (prompt_len + n,), generator=gen).tolist()
+        samples.append(Sample(prompt_ids=ids[:prompt_len], response_ids=ids[prompt_len:],
+                              behavior_logprobs=(-torch.rand(n, generator=gen) * 3).tolist(),
+                              reward=float(i % 2), group_id=i // 8))
+    adv = torch.randn(len(samples), generator=gen)
+    return collate(samples, pad_id=0, advantages=adv)
+
+
+def bare_step(policy: Any, micro: list[Any]) -> None:
+    """Megatron's schedule over prepared micro-batches with a trivial loss, then the optimizer step."""
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def loss_func(output: torch.Tensor) -> Any:
+        return output.float().sum() * 1e-9, torch.tensor(output.shape[1], dtype=torch.int), {}
+
+    def forward_step(data: Any, model: Any) -> Any:
+        m = next(data)
+        return model(m.tokens, m.positions, attention_mask=m.attention_mask,
+                     packed_seq_params=m.packed_seq_params), loss_func
+
+    for chunk in policy.chunks:
+        chunk.zero_grad_buffer()
+    policy.optimizer.zero_grad()
+    chunks = policy.chunks
+    data = [iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro)
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=chunks,
+                                num_microbatches=len(micro), seq_length=micro[0].row_len,
+                                micro_batch_size=1, forward_only=False)
+    policy.optimizer.step()
+
+
+def model_flops(policy: Any, lengths: list[int]) -> float:
+    spec = policy.spec
+    inner = [getattr(c, "module", c) for c in policy.chunks]
+    n = sum(p.numel() for c in inner for name, p in c.named_parameters() if "embedding" not in name)
+    tokens = sum(lengths)
+    return 6.0 * n * tokens + 6.0 * spec.num_layers * spec.hidden_size * sum(x * x for x in lengths)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default="", help="a HF checkpoint (default: build one with the sizes below)")
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--batch", type=int, default=32, help="samples per optimizer step")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--mean-len", type=float, default=96.0, help="mean response length (tokens)")
+    p.add_argument("--sigma", type=float, default=1.0, help="lognormal σ of response lengths")
+    p.add_argument("--max-len", type=int, default=2048, help="longest response allowed (tokens)")
+    p.add_argument("--max-ratio", type=float, default=6.0, help="stretch the tail until max/mean ≥ this")
+    p.add_argument("--padded-micro-batch", type=int, default=4, help="(a): samples per padded micro-batch")
+    p.add_argument("--max-tokens", type=int, default=0, help="(b): token budget (default: the longest sample)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=2, help="timed optimizer steps per mode and round")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU, for mfu (H100 bf16 dense)")
+    args = p.parse_args(argv)
+
+    import torch
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron_flash.config.schema import OptimizerConfig
+    from megatron_flash.losses import get_loss
+    from megatron_flash.trainer.distributed import destroy_distributed
+    from megatron_flash.trainer.loss_adapter import make_loss_fn
+    from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
+
+    model = args.model_path
+    if not model:
+        model = os.path.join(tempfile.mkdtemp(prefix="mf_trainer_tp_"), "model")
+        subprocess.run([sys.executable, os.path.join(REPO, "tools/make_tiny_model.py"), "--out", model,
+                        "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers)],
+                       check=True, stdout=subprocess.DEVNULL)
+    lengths = response_lengths(batch=args.batch, mean=args.mean_len, sigma=args.sigma, max_len=args.max_len,
+                               max_ratio=args.max_ratio, seed=args.seed)
+    totals = [args.prompt_len + n for n in lengths]
+    budget = args.max_tokens or max(totals)
+    policy = MegatronPolicy(PolicySettings(hf_path=model, dtype=args.dtype, micro_batch_size=args.padded_micro_batch,
+                                           pack_sequences=False, optimizer=OptimizerConfig(lr=1e-7)))
+    batch = make_batch(lengths, prompt_len=args.prompt_len, vocab=policy.spec.vocab_size, seed=args.seed)
+    loss_fn = make_loss_fn(get_loss("tis"))
+    real = sum(totals)
+
+    def configure(pack: bool) -> list[Any]:
+        s = policy.settings
+        s.pack_sequences, s.micro_batch_size = pack, (len(totals) if pack else args.padded_micro_batch)
+        s.max_tokens_per_micro_batch = budget if pack else 0
+        return policy._micro_batches(batch)
+
+    computed = {m: sum(x.tokens.numel() for x in configure(m == "packed")) for m in ("padded", "packed")}
+    packed_micro = configure(True)
+
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def run(mode: str) -> float:
+        if mode == "bare":
+            step = partial(bare_step, policy, packed_micro)
+        else:
+            configure(mode == "packed")
+            step = partial(policy.train_step, batch, loss_fn)
+        step()  # warm-up (allocator, first-call costs)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        sync()
+        return (time.perf_counter() - t0) / args.steps
+
+    seconds: dict[str, list[float]] = {"padded": [], "packed": [], "bare": []}
+    for r in range(args.rounds):
+        for mode in seconds:
+            seconds[mode].append(run(mode))
+            print(f"[round {r}] {mode}: {seconds[mode][-1]:.3f} s/step", file=sys.stderr, flush=True)
+    step_s = {m: statistics.mean(v) for m, v in seconds.items()}
+    tps = {m: real / s for m, s in step_s.items()}
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "dtype": args.dtype, "hidden_size": policy.spec.hidden_size, "num_layers": policy.spec.num_layers,
+        "batch": args.batch, "mean_response": statistics.mean(lengths), "max_response": max(lengths),
+        "max_over_mean": max(lengths) / statistics.mean(lengths), "max_tokens_per_micro_batch": budget,
+        "micro_batches_padded": len(configure(False)), "micro_batches_packed": len(packed_micro),
+        "step_s": step_s, "rounds": seconds,
+        "tokens_per_s_padded": tps["padded"], "tokens_per_s_packed": tps["packed"],
+        "tokens_per_s_bare": tps["bare"], "speedup": tps["packed"] / tps["padded"],
+        "ratio_to_bare": tps["packed"] / tps["bare"],
+        "padding_frac_padded": 1.0 - real / computed["padded"],
+        "padding_frac_packed": 1.0 - real / computed["packed"],
+    }
+    if torch.cuda.is_available():
+        out["mfu"] = model_flops(policy, totals) / step_s["packed"] / (args.peak_tflops * 1e12)
+    destroy_distributed()
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

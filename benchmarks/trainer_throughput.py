@@ -82,7 +82,7 @@ def bare_step(policy: Any, micro: list[Any]) -> None:
 
     def forward_step(data: Any, model: Any) -> Any:
         m = next(data)
-        return model(m.tokens, m.positions, attention_mask=m.attention_mask,
+        return model(m.tokens, m.positions, attention_mask=None,
                      packed_seq_params=m.packed_seq_params), loss_func
 
     for chunk in policy.chunks:

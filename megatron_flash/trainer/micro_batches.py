@@ -3,8 +3,9 @@
 The global batch is the trainer's padded layout (`tokens` [B, S], per-token fields [B, S], per-
 sample fields [B]; every rank holds all of it). A `Micro` is what one forward/backward pass runs:
 
-  model input   tokens / positions [r, T] (+ the attention layout: a block-diagonal causal mask on
-                the local spec, or cu_seqlens for Transformer Engine's THD path)
+  model input   tokens / positions [r, T] (+ for a packed row, Megatron's `PackedSeqParams` in THD
+                layout: the samples' `cu_seqlens`, honoured by TE's attention and, on the local
+                spec, by megatron_flash/trainer/packed_attention.py)
   loss view     `fields`: the micro-batch's samples as [n, w] / [n] slices of the global batch,
                 exactly what a padded micro-batch gave the loss before packing existed, so losses
                 and aggregation never see the packing
@@ -25,7 +26,6 @@ import torch
 
 from megatron_flash.trainer.packing import (
     SampleTooLong,
-    block_causal_mask,
     cu_seqlens,
     packed_inputs,
     plan_micro_batches,
@@ -40,7 +40,6 @@ class Micro:
     positions: torch.Tensor  # [r, T]
     fields: dict[str, torch.Tensor]  # the loss's [n, w] / [n] view
     sample_ids: torch.Tensor  # [n] global row of each sample; -1 for filler rows (never reported)
-    attention_mask: Optional[torch.Tensor] = None
     packed_seq_params: Any = None
     index: Optional[torch.Tensor] = None  # [n, w] positions in the packed row
     valid: Optional[torch.Tensor] = None  # [n, w]
@@ -71,7 +70,6 @@ class BatchingOptions:
     equal_rows: bool = False  # pipeline parallel: every row of the step has the same length
     min_micro_batches: int = 1
     micro_batch_multiple: int = 1
-    thd: bool = False  # Transformer Engine: cu_seqlens instead of an explicit mask
 
 
 def sample_lengths(batch: dict[str, torch.Tensor], *, max_seq_len: int = 0) -> list[int]:
@@ -128,18 +126,19 @@ def _packed(batch: dict[str, torch.Tensor], lengths: list[int], opts: BatchingOp
         index, valid = unpack_index(mb, width)
         m = Micro(tokens=row.to(device), positions=positions.to(device), fields=fields,
                   sample_ids=torch.full((1,), -1) if mb.filler else rows, index=index, valid=valid)
-        segments = mb.segment_lengths()
-        if opts.thd:
-            from megatron.core.packed_seq_params import PackedSeqParams
-
-            cu = cu_seqlens(segments, device)
-            longest = max(segments)
-            m.packed_seq_params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                                  max_seqlen_q=longest, max_seqlen_kv=longest)
-        elif len(segments) > 1:  # one segment is plain causal attention: Megatron's default mask
-            m.attention_mask = block_causal_mask(segments, device)
+        m.packed_seq_params = packed_seq_params(mb.segment_lengths(), device)
         micro.append(m)
     return micro
+
+
+def packed_seq_params(segments: list[int], device: torch.device) -> Any:
+    """Megatron's THD description of a packed row: one causal segment per sample (+ the padding tail)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = cu_seqlens(segments, device)
+    longest = max(segments)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
 
 
 def _padded(batch: dict[str, torch.Tensor], opts: BatchingOptions, *, dp_rank: int, dp_size: int,

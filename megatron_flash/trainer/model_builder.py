@@ -174,11 +174,17 @@ def build_gpt_stage(spec: HFModelSpec, *, config: Any, make_vocab_size_divisible
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
     if use_te(use_transformer_engine):
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
     else:
+        from megatron_flash.trainer.packed_attention import packed_dot_product_attention
+
         layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
-    model = _gpt_model_class()(
+        # Packed rows (THD) on the local spec: attention per sample, like TE's (packed_attention.py).
+        layer_spec.submodules.self_attention.submodules.core_attention = packed_dot_product_attention()
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(spec.vocab_size, divisible_by=make_vocab_size_divisible_by,
@@ -195,36 +201,6 @@ def build_gpt_stage(spec: HFModelSpec, *, config: Any, make_vocab_size_divisible
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
-
-
-_GPT_CLASS: Optional[type] = None
-
-
-def _gpt_model_class() -> type:
-    """GPTModel whose rotary embedding follows `position_ids` for a packed row.
-
-    Megatron's RoPE covers positions 0..S-1 of the row and ignores position_ids; with the local
-    (non-TE) spec a packed row therefore needs the rotary angles gathered at each token's own
-    position, which restarts at 0 in every sample. (With TE, packed rows go through cu_seqlens and
-    Megatron's own THD RoPE instead; rows of a padded batch have positions 0..S-1, where this is a
-    no-op.)"""
-    global _GPT_CLASS
-    if _GPT_CLASS is None:
-        from megatron.core.models.gpt.gpt_model import GPTModel
-
-        class PackedRopeGPTModel(GPTModel):
-            def _preprocess(self, input_ids: Any, position_ids: Any, *args: Any, **kwargs: Any) -> Any:
-                out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
-                packed = kwargs.get("packed_seq_params")
-                rotary = out[1]
-                if rotary is None or packed is not None or position_ids is None or position_ids.shape[0] != 1:
-                    return out
-                positions = position_ids[0]
-                table = self.rotary_pos_emb(int(positions.max()) + 1)  # [P, 1, 1, D]
-                return (out[0], table[positions]) + tuple(out[2:])
-
-        _GPT_CLASS = PackedRopeGPTModel
-    return _GPT_CLASS
 
 
 def layer_offset(chunk: Any) -> int:

@@ -2,8 +2,8 @@
 
 RL responses are long-tailed, so padding every sample of a step to the longest one makes most of the
 trainer's compute padding. Instead each micro-batch is *one row* of whole samples laid end to end;
-attention never crosses a sample boundary and positions restart at 0 for each sample (the policy
-builds the block-diagonal causal mask, or Transformer Engine's cu_seqlens, from `segment_lengths`).
+attention never crosses a sample boundary and positions restart at 0 for each sample (the row is
+handed to Megatron as `PackedSeqParams` with the `cu_seqlens` of `segment_lengths`).
 
 The plan, computed identically on every rank from the global batch's sample lengths:
 
@@ -138,17 +138,6 @@ def packed_inputs(mb: MicroBatch, tokens: torch.Tensor, *, pad_id: int) -> tuple
     for n in mb.segment_lengths():
         positions.append(torch.arange(n, device=tokens.device))
     return torch.cat(parts).unsqueeze(0), torch.cat(positions).unsqueeze(0)
-
-
-def block_causal_mask(segment_lengths: Sequence[int], device: torch.device) -> torch.Tensor:
-    """[1, 1, T, T] bool, True where attention is *masked* (Megatron's convention): causal inside
-    each segment, nothing across segments."""
-    seg = torch.repeat_interleave(torch.arange(len(segment_lengths), device=device),
-                                  torch.tensor(list(segment_lengths), device=device))
-    t = seg.shape[0]
-    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
-    allowed = causal & (seg[:, None] == seg[None, :])
-    return (~allowed).view(1, 1, t, t)
 
 
 def cu_seqlens(segment_lengths: Sequence[int], device: torch.device) -> torch.Tensor:

@@ -185,7 +185,7 @@ class MegatronPolicy:
             max_seq_len=s.max_seq_len, pad_multiple=s.tp_size * s.scale.context_parallel_size * 2
             if s.scale.context_parallel_size > 1 else s.tp_size,
             equal_rows=pp > 1, min_micro_batches=pp if interleaved else 1,
-            micro_batch_multiple=pp if interleaved else 1, thd=self.uses_te,
+            micro_batch_multiple=pp if interleaved else 1,
         )
 
     def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[Micro]:
@@ -213,7 +213,7 @@ class MegatronPolicy:
     def _forward_step(loss_factory: Callable[[Micro], Callable[[torch.Tensor], Any]],
                       data: Iterator[Micro], model: Any) -> tuple[torch.Tensor, Any]:
         m = next(data)
-        output = model(m.tokens, m.positions, attention_mask=m.attention_mask,
+        output = model(m.tokens, m.positions, attention_mask=None,
                        packed_seq_params=m.packed_seq_params)
         return output, loss_factory(m)
 

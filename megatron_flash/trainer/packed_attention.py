@@ -1,0 +1,56 @@
+"""Packed (THD) sequences on Megatron's local layer spec: core attention one sample at a time.
+
+Megatron-Core runs packed rows (`PackedSeqParams`, `qkv_format="thd"`, `cu_seqlens`) through Transformer
+Engine's attention only; its local `DotProductAttention` refuses them. Everything else on the packed
+path is Megatron's own and spec-independent: SelfAttention squeezes q/k/v to [T, heads, dim] and
+applies RoPE per sample from `cu_seqlens` (positions restart at every boundary). So the local spec
+needs only a core attention that honours the boundaries, and then CPU, CI and GPUs without TE run the
+very code path TE runs.
+
+This one cuts the row at `cu_seqlens` and runs Megatron's own DotProductAttention (scaled, causal,
+GQA-expanded) on each sample, batching samples of equal length into one call. Attention therefore
+costs Σ l² for samples of lengths l, as with TE, not T² for the row: a block-diagonal mask over the
+whole row would spend most of its time on masked-out pairs when many short samples share a row.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+
+_CLASS: Optional[type] = None
+
+
+def packed_dot_product_attention() -> type:
+    """The local-spec core attention class (built on first use: Megatron is imported lazily)."""
+    global _CLASS
+    if _CLASS is None:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        class PackedDotProductAttention(DotProductAttention):
+            def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                        attn_mask_type: Any = None, attention_bias: Any = None,
+                        packed_seq_params: Any = None) -> torch.Tensor:
+                if packed_seq_params is None:
+                    return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                           attention_bias=attention_bias)
+                # THD: query [T, heads, dim], key/value [T, groups, dim] → output [T, 1, heads·dim]
+                bounds = packed_seq_params.cu_seqlens_q.tolist()
+                by_length: dict[int, list[int]] = defaultdict(list)
+                for start, end in zip(bounds[:-1], bounds[1:]):
+                    if end > start:
+                        by_length[end - start].append(start)
+                out = query.new_empty(query.shape[0], 1, query.shape[1] * query.shape[2])
+                for length, starts in by_length.items():
+                    # [length, n, heads, dim]: the samples of this length side by side as a batch
+                    index = (torch.tensor(starts, device=query.device)[None, :]
+                             + torch.arange(length, device=query.device)[:, None])
+                    context = super().forward(query[index], key[index], value[index], None,
+                                              attn_mask_type=attn_mask_type)  # [length, n, heads·dim]
+                    out[index.reshape(-1), 0] = context.reshape(length * len(starts), -1)
+                return out
+
+        _CLASS = PackedDotProductAttention
+    return _CLASS

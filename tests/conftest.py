@@ -29,6 +29,18 @@ def run_tool(args: list[str], *, nproc: int = 1, timeout: float = 300, check: bo
     return proc
 
 
+def hf_weights(path: str) -> dict:
+    """Every tensor of the HF checkpoint directory `path` (all its *.safetensors shards)."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    out: dict = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        out.update(load_file(f))
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny_models")

@@ -18,15 +18,13 @@ distributed optimizer only supports Adam, so dp2 is compared with an Adam refere
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.conftest import run_tool
+from tests.conftest import hf_weights, run_tool
 
 CASES = {
     "ref": dict(tp=1, pp=1, nproc=1, extra=[], ref="ref"),
@@ -41,13 +39,6 @@ FAMILY_CASES = {
     "qwen3": ["ref", "tp2", "pp2", "tp2pp2"],
     "qwen2": ["ref", "tp2pp2"],
 }
-
-
-def load_dir(path: str) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        out.update(load_file(f))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +68,9 @@ def test_logprobs_match_reference_layout(layout_runs, family: str, case: str) ->
 @pytest.mark.parametrize("family,case", PAIRS)
 def test_one_step_gives_same_weights(layout_runs, family: str, case: str) -> None:
     ref_case = CASES[case]["ref"]
-    before = load_dir(os.path.join(layout_runs[(family, ref_case)], "export0"))
-    ref = load_dir(os.path.join(layout_runs[(family, ref_case)], "export1"))
-    got = load_dir(os.path.join(layout_runs[(family, case)], "export1"))
+    before = hf_weights(os.path.join(layout_runs[(family, ref_case)], "export0"))
+    ref = hf_weights(os.path.join(layout_runs[(family, ref_case)], "export1"))
+    got = hf_weights(os.path.join(layout_runs[(family, case)], "export1"))
     assert got.keys() == ref.keys()
     moved = max((ref[k] - before[k]).abs().max().item() for k in ref)
     assert moved > 1e-3, "the optimizer step did not change the weights visibly"
@@ -93,8 +84,8 @@ def test_one_step_gives_same_weights(layout_runs, family: str, case: str) -> Non
 
 @pytest.mark.parametrize("family,case", [(f, c) for f, cases in FAMILY_CASES.items() for c in cases])
 def test_export_after_load_is_bit_exact(layout_runs, tiny_models, family: str, case: str) -> None:
-    source = load_dir(tiny_models[family])
-    exported = load_dir(os.path.join(layout_runs[(family, case)], "export0"))
+    source = hf_weights(tiny_models[family])
+    exported = hf_weights(os.path.join(layout_runs[(family, case)], "export0"))
     assert exported.keys() == source.keys()
     for name, tensor in source.items():
         assert torch.equal(exported[name], tensor), name

@@ -15,14 +15,11 @@ rewards) must give the same weights (1e-6 abs, step size ~1e-3), for both aggreg
 
 from __future__ import annotations
 
-import glob
 import os
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from tests.conftest import run_tool
+from tests.conftest import hf_weights, run_tool
 
 BUDGET = ["--micro-batch-size", "8", "--max-tokens", "20"]
 SPLITS = {"mb8": (1, ["--micro-batch-size", "8"]), "padded_mb8": (1, ["--micro-batch-size", "8", "--no-pack"]),
@@ -35,13 +32,6 @@ LOSSES = {
 }
 
 
-def weights(path: str) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in glob.glob(os.path.join(path, "*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 @pytest.mark.parametrize("loss", list(LOSSES))
 def test_same_step_for_every_split(tiny_models, tmp_path, loss: str) -> None:
     result = {}
@@ -49,7 +39,7 @@ def test_same_step_for_every_split(tiny_models, tmp_path, loss: str) -> None:
         out = str(tmp_path / split)
         run_tool(["tests/distributed/layout_worker.py", "--hf-dir", tiny_models["llama"], "--out", out]
                  + extra + LOSSES[loss], nproc=nproc)
-        result[split] = (weights(os.path.join(out, "export0")), weights(os.path.join(out, "export1")))
+        result[split] = (hf_weights(os.path.join(out, "export0")), hf_weights(os.path.join(out, "export1")))
     before, ref = result["mb8"]
     moved = max((ref[k] - before[k]).abs().max().item() for k in ref)
     assert moved > 1e-4, "the step did not move the weights"

@@ -22,15 +22,13 @@ logprobs before the step to 1e-5.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.conftest import run_tool
+from tests.conftest import hf_weights, run_tool
 
 LENGTHS = [6, 16, 7, 11, 8, 13, 9, 12]  # layout_worker.fixed_batch, written out independently
 BUDGET = ["--max-tokens", "24"]
@@ -47,13 +45,6 @@ CASES = {
     "vpp2": ("four", 2, ["--pp", "2", "--vpp", "2"] + BUDGET, "pp1"),
     "vpp2_padded": ("four", 2, ["--pp", "2", "--vpp", "2", "--no-pack"], "pp1"),
 }
-
-
-def load_dir(path: str) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        out.update(load_file(f))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +80,8 @@ def test_same_loss_logprobs_and_gradients(runs, case: str) -> None:
     lp_ref = torch.load(os.path.join(runs[ref], "logprobs.pt"))
     for i, n in enumerate(LENGTHS):  # past a sample's length the padded run scores pad tokens
         assert (lp_got[i, :n] - lp_ref[i, :n]).abs().max().item() <= 1e-5, f"sample {i}"
-    before = load_dir(os.path.join(runs[ref], "export0"))
-    want_w, got_w = load_dir(os.path.join(runs[ref], "export1")), load_dir(os.path.join(runs[case], "export1"))
+    before = hf_weights(os.path.join(runs[ref], "export0"))
+    want_w, got_w = hf_weights(os.path.join(runs[ref], "export1")), hf_weights(os.path.join(runs[case], "export1"))
     assert set(got_w) == set(want_w)
     moved = max((want_w[k] - before[k]).abs().max().item() for k in want_w)
     assert moved > 1e-3, "the step did not move the weights"

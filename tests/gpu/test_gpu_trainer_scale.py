@@ -15,15 +15,13 @@ The same worker and batch as tests/distributed/test_packing.py (fp32 on CUDA: 1e
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.conftest import run_tool
+from tests.conftest import hf_weights, run_tool
 
 LENGTHS = [6, 16, 7, 11, 8, 13, 9, 12]
 
@@ -33,20 +31,13 @@ def run(model: str, out: str, extra: list[str], nproc: int, check: bool = True):
                      "--micro-batch-size", "2"] + extra, nproc=nproc, check=check)
 
 
-def load_dir(path: str) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in glob.glob(os.path.join(path, "*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 def assert_same_run(got: str, ref: str, tol: float = 1e-4) -> None:
     with open(os.path.join(got, "metrics.json")) as f, open(os.path.join(ref, "metrics.json")) as g:
         assert abs(json.load(f)["loss"] - json.load(g)["loss"]) <= tol
     a, b = torch.load(os.path.join(got, "logprobs.pt")), torch.load(os.path.join(ref, "logprobs.pt"))
     for i, n in enumerate(LENGTHS):
         assert (a[i, :n] - b[i, :n]).abs().max().item() <= tol
-    wa, wb = load_dir(os.path.join(got, "export1")), load_dir(os.path.join(ref, "export1"))
+    wa, wb = hf_weights(os.path.join(got, "export1")), hf_weights(os.path.join(ref, "export1"))
     assert max((wa[k] - wb[k]).abs().max().item() for k in wb) <= tol
 
 

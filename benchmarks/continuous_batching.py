@@ -69,7 +69,7 @@ def main() -> int:
     p.add_argument("--num-blocks", type=int, default=256,
                    help="CPU server KV blocks of 16 tokens: enough that --batch requests fit at once")
     args = p.parse_args()
-    from megatron_flash.rollout.sglang_launcher import EngineLauncher
+    from megatron_flash.engines.launcher import EngineLauncher
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model_path or os.path.join(tmp, "model")

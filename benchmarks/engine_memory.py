@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from benchmarks.benchlib import env, free_ports
-    from megatron_flash.rollout.sglang_launcher import EngineLauncher
+    from megatron_flash.engines.launcher import EngineLauncher
     import subprocess
 
     work = args.out or tempfile.mkdtemp(prefix="mf_engine_memory_")

@@ -48,7 +48,7 @@ sys.path.insert(0, REPO)
 
 
 async def timed(url: str, k: int, length: int) -> float:
-    from megatron_flash.rollout.engine_client import EngineClient
+    from megatron_flash.engines.client import EngineClient
 
     params = {"temperature": 1.0, "max_new_tokens": length, "ignore_eos": True}
     async with EngineClient(url) as client:
@@ -68,7 +68,7 @@ async def closed_loop(url: str, k: int, length: int, total: int, n: int = 1, pro
     """k workers, each sending its next request (n sampled sequences) as soon as its last returns, `total`
     requests in all."""
     prompt = loop_prompt(prompt_len)
-    from megatron_flash.rollout.engine_client import EngineClient
+    from megatron_flash.engines.client import EngineClient
 
     params = {"temperature": 1.0, "max_new_tokens": length, "ignore_eos": True}
     left = [total]
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from benchmarks.benchlib import env, free_ports
-    from megatron_flash.rollout.sglang_launcher import EngineLauncher
+    from megatron_flash.engines.launcher import EngineLauncher
 
     work = tempfile.mkdtemp(prefix="mf_step_cost_")
     model = os.path.join(work, "model")

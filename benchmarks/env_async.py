@@ -4,7 +4,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/env_async.py --mu-ms 20,100,300,1000 --pool all --repeats 3
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/env_async.py --mu-ms 300 --redundancy 0   # one point, ~2 min
 
-One CPU engine server (`python -m megatron_flash.rollout.cpu_server`, the random tiny Llama of
+One CPU engine server (`python -m megatron_flash.engines.cpu_server`, the random tiny Llama of
 tools/make_tiny_model.py, 1 thread) behind one LLMProxy. The environment is FixedTurnsEnv below: every
 episode lasts exactly --turns steps whatever the model says, and every model turn is exactly
 --tokens-per-turn tokens (ignore_eos), so all modes do identical work: the same episodes, the same
@@ -363,7 +363,7 @@ def main() -> int:
     args = parse_args()
     import transformers
 
-    from megatron_flash.rollout.sglang_launcher import EngineLauncher
+    from megatron_flash.engines.launcher import EngineLauncher
 
     by_mu: dict[str, Any] = {}
     redundancy: dict[str, Any] = {}

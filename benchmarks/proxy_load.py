@@ -64,7 +64,7 @@ def main() -> int:
     p.add_argument("--inflight", type=int, default=64, help="proxy slots per engine")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    from megatron_flash.rollout.sglang_launcher import EngineLauncher
+    from megatron_flash.engines.launcher import EngineLauncher
     from megatron_flash.ports import free_ports
 
     with tempfile.TemporaryDirectory() as tmp:

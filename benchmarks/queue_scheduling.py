@@ -87,7 +87,7 @@ async def batch_generation(urls: list[str], *, data: str, model: str, steps: int
     until `prompts` groups are kept. Returns per-step rows and the CPU monitor of this process."""
     import transformers
 
-    from megatron_flash.rollout.engine_client import EngineClient
+    from megatron_flash.engines.client import EngineClient
     from megatron_flash.rollout.filters import get_filter
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
@@ -197,7 +197,7 @@ def main() -> int:
                 for key in ("dropped_filtered", "dropped_stale"):
                     s[f"groups_{key}_per_step"] = (last[key] - first.get(key, 0)) / args.n / counted
             else:
-                from megatron_flash.rollout.sglang_launcher import EngineLauncher
+                from megatron_flash.engines.launcher import EngineLauncher
 
                 launcher = EngineLauncher(backend="cpu", model_path=model, num_engines=args.engines,
                                           base_port=benchlib.free_ports(args.engines),

@@ -197,15 +197,25 @@ class Controller:
         from megatron_flash.rollout.runtime import RolloutRuntime
 
         cfg = self.cfg
+        runner_factory: Any = None
         if cfg.agentic.env:  # groups are episodes of one env seed each
-            from megatron_flash.agentic.env_manager import SeedDataset
+            from megatron_flash.agentic.env_manager import EnvGroupRunner, SeedDataset
+            from megatron_flash.rollout.runtime import sampling_params
 
             dataset: Any = SeedDataset(first_seed=cfg.agentic.seed, num_seeds=cfg.agentic.num_seeds)
+
+            def episodes(proxy: Any, version_fn: Any) -> Any:
+                return EnvGroupRunner(agentic_cfg=cfg.agentic, proxy=proxy, tokenizer=self.tokenizer,
+                                      sampling_params=sampling_params(cfg.rollout), max_seq_len=cfg.trainer.max_seq_len,
+                                      version_fn=version_fn, max_resumes=cfg.rollout.max_resumes)
+
+            runner_factory = episodes
         else:
             dataset = PromptDataset.from_config(cfg.data, self.tokenizer, seed=cfg.trainer.seed)
         self.buffer = SampleBuffer(self.staleness, stale_policy=cfg.async_rl.stale_policy, on_evict=self._on_evict)
         self.runtime = RolloutRuntime(cfg, run_dir=self.run_dir, staleness=self.staleness, buffer=self.buffer,
-                                      dataset=dataset, model_path=cfg.model.hf_path, tokenizer=self.tokenizer)
+                                      dataset=dataset, model_path=cfg.model.hf_path, tokenizer=self.tokenizer,
+                                      group_runner_factory=runner_factory)
         urls = self.runtime.start_engines()
         logger.info("engines up: %s", urls)
         return urls

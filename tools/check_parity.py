@@ -48,7 +48,7 @@ def main() -> int:
     from megatron_flash.trainer.distributed import destroy_distributed
     from megatron_flash.trainer.model_builder import ScaleOptions
     from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
-    from megatron_flash.weight_sync.hf_spec import CheckpointError
+    from megatron_flash.hf.spec import CheckpointError
 
     try:
         policy = MegatronPolicy(PolicySettings(hf_path=args.hf_dir, tp_size=args.tp, pp_size=args.pp,

@@ -32,13 +32,10 @@ import dataclasses
 import logging
 from typing import Any, Callable, Optional
 
+from megatron_flash.rollout.group_runner import GroupDropped
 from megatron_flash.types import Sample
 
 logger = logging.getLogger(__name__)
-
-
-class GroupDropped(RuntimeError):
-    """Fewer than group_size episodes of a group finished (env failures): drop it, don't retry."""
 
 
 @dataclasses.dataclass
@@ -214,7 +211,7 @@ class EnvGroupRunner:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                from megatron_flash.rollout.engine_client import EngineError
+                from megatron_flash.engines.client import EngineError
 
                 self.stats.episodes_failed += 1
                 if not isinstance(e, (EngineError, _EnvFailed)):

@@ -1,5 +1,6 @@
-"""Rollout side: engine client (SGLang native HTTP contract), engine launchers, the CPU engine server
-(`cpu_server` over `cpu_engine`), proxy, and scheduling.
+"""Rollout side, client of the engines: the prompt dataset, the scheduler (queue scheduling, prompt
+replication, redundant prompts), the proxy that routes requests over engines, dynamic filters, and the
+runtime that runs it all on rank 0.
 
-Nothing here imports Megatron; submodules are imported lazily by their users (no heavy imports here).
+Nothing here imports Megatron, the trainer, weight sync or agentic; submodules are imported lazily.
 """

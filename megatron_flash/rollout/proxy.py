@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import (Any, AsyncIterator, Awaitable, Callable, Deque, Dict, List, Mapping, Optional,
                     Sequence, Set, TypeVar, Union)
 
-from megatron_flash.rollout.engine_client import (EngineClient, EngineError, EngineHTTPError,
+from megatron_flash.engines.client import (EngineClient, EngineError, EngineHTTPError,
                                                   EngineTimeout, EngineUnreachable, GenerateResult)
 
 logger = logging.getLogger(__name__)

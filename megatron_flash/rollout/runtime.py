@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from megatron_flash.buffer.sample_buffer import SampleBuffer
 from megatron_flash.buffer.staleness import StalenessManager
+from megatron_flash.rollout.group_runner import GroupRunner, GroupRunnerFactory
 from megatron_flash.rollout.scheduler import RolloutScheduler, RolloutStats, SchedulerSettings
 from megatron_flash.types import Group
 
@@ -92,11 +93,13 @@ class RolloutRuntime:
     """Start with `start()` (blocks until engines are healthy), stop with `stop()`."""
 
     def __init__(self, cfg: Any, *, run_dir: str, staleness: StalenessManager, buffer: SampleBuffer,
-                 dataset: Any, tokenizer: Any, model_path: str) -> None:
+                 dataset: Any, tokenizer: Any, model_path: str,
+                 group_runner_factory: Optional[GroupRunnerFactory] = None) -> None:
         self.cfg, self.run_dir, self.staleness, self.buffer = cfg, run_dir, staleness, buffer
+        self.group_runner_factory = group_runner_factory
         self.dataset, self.tokenizer, self.model_path = dataset, tokenizer, model_path
         self.decode: Callable[[list[int]], str] = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-        self.group_runner: Any = None
+        self.group_runner: Optional[GroupRunner] = None
         self.launcher: Any = None
         self.urls: list[str] = []
         self.scheduler: Optional[RolloutScheduler] = None
@@ -116,7 +119,7 @@ class RolloutRuntime:
 
     def start_engines(self) -> list[str]:
         """Launch (or attach) the engines and wait until they are healthy."""
-        from megatron_flash.rollout.sglang_launcher import EngineLauncher
+        from megatron_flash.engines.launcher import EngineLauncher
 
         # Launched GPU engines default to the GPUs after this node's trainer ranks (engines.gpu_ids).
         first_gpu = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) if self.cfg.engines.backend == "sglang" else 0
@@ -191,13 +194,8 @@ class RolloutRuntime:
                     buffer=self.buffer, staleness=self.staleness, settings=settings, decode=self.decode)
                 if self.dump is not None:
                     self.scheduler.on_group = self.dump.write
-                if cfg.agentic.env:
-                    from megatron_flash.agentic.env_manager import EnvGroupRunner
-
-                    self.group_runner = EnvGroupRunner(
-                        agentic_cfg=cfg.agentic, proxy=proxy, tokenizer=self.tokenizer,
-                        sampling_params=sampling_params(cfg.rollout), max_seq_len=cfg.trainer.max_seq_len,
-                        version_fn=lambda: self.staleness.version, max_resumes=cfg.rollout.max_resumes)
+                if self.group_runner_factory is not None:
+                    self.group_runner = self.group_runner_factory(proxy, lambda: self.staleness.version)
                     self.scheduler.group_runner = self.group_runner
                     self.group_runner.rollout_stats = self.scheduler.stats
                 if self._restore is not None:

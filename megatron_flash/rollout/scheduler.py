@@ -33,6 +33,7 @@ from typing import Any, Callable, Deque, Optional, Sequence
 
 from megatron_flash.buffer.sample_buffer import SampleBuffer
 from megatron_flash.buffer.staleness import StalenessManager
+from megatron_flash.rollout.group_runner import GroupDropped, GroupRunner
 from megatron_flash.types import Group, Sample
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class RolloutScheduler:
         self._wake: Optional[asyncio.Event] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.on_group: Optional[Callable[[Group], None]] = None  # e.g. a GroupDump, before the buffer
-        self.group_runner: Any = None  # agentic: megatron_flash.agentic.env_manager.EnvGroupRunner
+        self.group_runner: Optional[GroupRunner] = None  # set by the runtime (e.g. agentic episodes)
         self._inflight: dict[int, Any] = {}  # group id → its prompt, while the group is generating
         self._group_tasks: dict[int, tuple[int, asyncio.Task]] = {}  # group id → (start version, task)
         self._expired: set[int] = set()  # groups cancelled because a push made them untrainable
@@ -239,7 +240,7 @@ class RolloutScheduler:
             self.staleness.on_drop(n, reason="cancelled")
             raise
         except Exception as e:  # engine failure after the proxy's retries: re-queue the prompt
-            if type(e).__name__ == "GroupDropped":  # its episodes failed (counted there): no retry
+            if isinstance(e, GroupDropped):  # its samples could not finish (counted there): no retry
                 self.staleness.on_drop(n, reason="error")
                 return
             self.stats.engine_errors += 1

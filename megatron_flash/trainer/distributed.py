@@ -40,12 +40,6 @@ class Layout:
         return self.pp_rank == self.pp_size - 1
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (released before return; fine for rendezvous on one host), taken from
-    outside the ephemeral range (megatron_flash.ports)."""
-    return free_ports(1)
-
-
 def init_distributed(*, tp_size: int, pp_size: int, seed: int, backend: str = "auto",
                      timeout_s: float = 600.0, vpp_size: Optional[int] = None, cp_size: int = 1) -> Layout:
     """Initialise torch.distributed (if needed) and Megatron's parallel state; seed every RNG."""
@@ -56,7 +50,7 @@ def init_distributed(*, tp_size: int, pp_size: int, seed: int, backend: str = "a
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python`: a world of one
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(free_port()))
+                              MASTER_PORT=str(free_ports(1)))
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))

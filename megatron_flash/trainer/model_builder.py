@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_flash.weight_sync.hf_spec import HFModelSpec
+from megatron_flash.hf.spec import HFModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -201,13 +201,3 @@ def build_gpt_stage(spec: HFModelSpec, *, config: Any, make_vocab_size_divisible
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
-
-
-def layer_offset(chunk: Any) -> int:
-    """Global index of a model chunk's first layer (chunks number their layers from 0): Megatron's
-    own rule, so interleaved chunks (layers v·P·n + p·n … for pipeline rank p, virtual stage v, n
-    layers per chunk) come out the way the schedule runs them."""
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    inner = getattr(chunk, "module", chunk)  # under Megatron's DDP wrapper
-    return get_transformer_layer_offset(inner.config, vp_stage=inner.vp_stage)

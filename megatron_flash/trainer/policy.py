@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron_flash.config.schema import OptimizerConfig
 from megatron_flash.trainer.distributed import Layout, init_distributed
-from megatron_flash.trainer.hf_io import export_hf, load_hf_weights
+from megatron_flash.hf.io import export_hf, load_hf_weights
 from megatron_flash.trainer.logprobs import vocab_parallel_logprobs
 from megatron_flash.trainer.micro_batches import BatchingOptions, Micro, build_micro_batches, scatter_rows
 from megatron_flash.trainer.model_builder import (
@@ -39,7 +39,7 @@ from megatron_flash.trainer.model_builder import (
     use_te,
     validate_layout,
 )
-from megatron_flash.weight_sync.hf_spec import HFModelSpec, read_hf_spec
+from megatron_flash.hf.spec import HFModelSpec, read_hf_spec
 
 LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor, Optional[torch.Tensor]],
                   tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]

@@ -43,7 +43,6 @@ import base64
 import dataclasses
 import gc
 import io
-import json
 import os
 import threading
 import time
@@ -53,10 +52,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_flash.trainer.distributed import free_port
-from megatron_flash.trainer.hf_io import stage_hf_tensors
+from megatron_flash.hf.io import stage_hf_tensors
+from megatron_flash.ports import free_ports
 from megatron_flash.weight_sync import probe as probe_lib
-from megatron_flash.weight_sync.process_group import destroy_weight_update_group, new_weight_update_group
+from megatron_flash.engines.process_group import destroy_weight_update_group, new_weight_update_group
 
 TRANSPORTS = ("ipc", "broadcast", "disk")
 
@@ -183,7 +182,7 @@ class WeightBridge:
     def _fan(self, step: str, urls: Sequence[str], call: Callable[[Any], Any], *, session: bool = False,
              timeout_s: Optional[float] = None, retries: int = 3) -> tuple[dict[str, Any], dict[str, str]]:
         """`call(client)` on every url concurrently → (results, errors as 'step: message')."""
-        from megatron_flash.rollout.engine_client import EngineClient
+        from megatron_flash.engines.client import EngineClient
 
         timeout = timeout_s or self.timeout_s
 
@@ -204,21 +203,6 @@ class WeightBridge:
             else:
                 results[url] = out
         return results, errors
-
-    async def _post(self, client: Any, path: str, body: dict[str, Any]) -> Any:
-        """An endpoint EngineClient has no method for: POST JSON, expect SGLang's {"success": true}."""
-        import aiohttp
-
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        async with aiohttp.ClientSession(headers=headers) as session:
-            async with session.post(client.url + path, json=body,
-                                    timeout=aiohttp.ClientTimeout(total=client.request_timeout_s)) as resp:
-                text = await resp.text()
-                status = resp.status
-        reply = json.loads(text) if status < 400 and text.strip() else None
-        if status >= 400 or not isinstance(reply, dict) or reply.get("success") is not True:
-            raise RuntimeError(f"{client.url}{path}: HTTP {status}: {text[:500]}")
-        return reply
 
     def _alive(self, urls: Sequence[str]) -> list[str]:
         """Engines that still answer (rank 0 asks, everyone learns). /health is not used: SGLang answers
@@ -377,8 +361,7 @@ class WeightBridge:
             return [u for u in active if u not in errors and u not in new]
 
         if tensor_path:
-            _, e = self._fan("update_weight_version", ok(), lambda c: self._post(
-                c, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False}))
+            _, e = self._fan("update_weight_version", ok(), lambda c: c.update_weight_version(str(version)))
             new.update(e)
             _, e = self._fan("end_weight_update", active, lambda c: c.end_weight_update(), session=True)
             new.update({u: m for u, m in e.items() if u in ok()})  # a dirty engine's failed end is no news
@@ -440,7 +423,7 @@ class WeightBridge:
             return self._group[1], self._group[2]
         self._drop_group()
         name = f"mf_weights_pp{self.policy.layout.pp_rank}_{uuid.uuid4().hex[:8]}"
-        port = free_port()
+        port = free_ports(1)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         world = 1 + len(urls) * self.engine_tp_size
         joins: dict[str, Any] = {}
@@ -472,8 +455,8 @@ class WeightBridge:
         del group
         gc.collect()  # the last reference gone, our connections close: blocked engines' receives fail now
         live = [u for u in members if u in self.urls]
-        self._fan("destroy_weights_update_group", live, lambda c: self._post(
-            c, "/destroy_weights_update_group", {"group_name": name}), timeout_s=self.alive_timeout_s, retries=0)
+        self._fan("destroy_weights_update_group", live, lambda c: c.destroy_weights_update_group(name),
+                  timeout_s=self.alive_timeout_s, retries=0)
 
     def _send_broadcast(self, bucket: list[tuple[str, torch.Tensor]], urls: list[str], step: str) -> dict[str, str]:
         try:

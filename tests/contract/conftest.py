@@ -4,7 +4,7 @@
 found them); modules that change weights or need a flag start their own through `launch_engine`.
 
 Backends:
-    "cpu"     megatron_flash.rollout.cpu_server (transformers continuous batching), started here.
+    "cpu"     megatron_flash.engines.cpu_server (transformers continuous batching), started here.
     "sglang"  real SGLang 0.5.23 on CPU. HOOK: add "sglang" to BACKENDS and provide
               tests/contract/sglang_backend.py with
                   start_sglang_server(model_dir, port, log_path, *, api_key=None) -> subprocess.Popen
@@ -66,7 +66,7 @@ class EngineServer:
 
 
 def _start_cpu_server(model_dir: str, port: int, log_path: str, *, api_key: str | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "megatron_flash.rollout.cpu_server", "--model-path", model_dir,
+    cmd = [sys.executable, "-m", "megatron_flash.engines.cpu_server", "--model-path", model_dir,
            "--port", str(port), "--host", "127.0.0.1", "--num-blocks", "64", "--page-size", "16",
            "--max-batch-tokens", "256", "--log-level", "warning"]
     if api_key is not None:

@@ -1,7 +1,7 @@
 """Our EngineClient (what the rollout side uses) against real engines, one backend per BACKENDS entry.
 
 The raw-HTTP modules pin the server side of the contract; this one pins the client side: the same
-calls, through `megatron_flash.rollout.engine_client`, parse and behave as documented on every
+calls, through `megatron_flash.engines.client`, parse and behave as documented on every
 backend. Uses its own server (it swaps weights).
 """
 
@@ -13,7 +13,7 @@ import io
 
 import pytest
 
-from megatron_flash.rollout.engine_client import EngineClient
+from megatron_flash.engines.client import EngineClient
 from tests.contract.conftest import BACKENDS, launch_engine
 from tests.contract.helpers import StreamingGenerate, teacher_logprobs
 

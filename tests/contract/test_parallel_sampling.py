@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from megatron_flash.rollout.engine_client import EngineClient
+from megatron_flash.engines.client import EngineClient
 from megatron_flash.rollout.proxy import LLMProxy
 from tests.contract.helpers import assert_logprobs_match, generate, post
 

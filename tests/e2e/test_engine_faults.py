@@ -16,7 +16,7 @@ import pytest
 
 from megatron_flash.ports import free_ports
 from megatron_flash.rollout.proxy import LLMProxy
-from megatron_flash.rollout.sglang_launcher import EngineLauncher, probe_health
+from megatron_flash.engines.launcher import EngineLauncher, probe_health
 
 
 
@@ -172,7 +172,7 @@ def test_attached_engines_restarted_on_their_node_are_resynced_and_serve_again(t
     send it the trainer's weights and the proxy must route to it again; the run never stops."""
     import shlex
 
-    from megatron_flash.rollout.sglang_launcher import EngineCommand
+    from megatron_flash.engines.launcher import EngineCommand
     from tests.conftest import REPO
 
     port = free_ports(2)

@@ -23,7 +23,7 @@ import pytest
 
 from megatron_flash.buffer.sample_buffer import SampleBuffer
 from megatron_flash.buffer.staleness import StalenessManager
-from megatron_flash.rollout.engine_client import GenerateResult
+from megatron_flash.engines.client import GenerateResult
 from megatron_flash.rollout.scheduler import RolloutScheduler, SchedulerSettings
 
 

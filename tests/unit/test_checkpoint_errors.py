@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megatron_flash.trainer.hf_io import SafetensorsReader
+from megatron_flash.hf.io import SafetensorsReader
 from megatron_flash.trainer.model_builder import padded_vocab_size, validate_layout
-from megatron_flash.weight_sync.hf_spec import CheckpointError, read_hf_spec
+from megatron_flash.hf.spec import CheckpointError, read_hf_spec
 from tests.conftest import run_tool
 
 CONFIG = {

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
-from megatron_flash.rollout.cpu_server import build_app
+from megatron_flash.engines.cpu_server import build_app
 
 
 class Healthy:

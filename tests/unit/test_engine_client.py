@@ -9,7 +9,7 @@ from typing import Any, Awaitable, Callable
 import pytest
 
 from megatron_flash.ports import free_ports
-from megatron_flash.rollout.engine_client import (EngineClient, EngineHTTPError, EngineTimeout,
+from megatron_flash.engines.client import (EngineClient, EngineHTTPError, EngineTimeout,
                                                   EngineUnreachable, MalformedReply, WeightVersionSpan,
                                                   parse_generate_reply)
 from tests.unit.fake_engine import FakeEngine

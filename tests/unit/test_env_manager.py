@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from megatron_flash.agentic.env_manager import EnvGroupRunner, GroupDropped, SeedPrompt
-from megatron_flash.rollout.engine_client import GenerateResult
+from megatron_flash.agentic.env_manager import EnvGroupRunner, SeedPrompt
+from megatron_flash.rollout.group_runner import GroupDropped
+from megatron_flash.engines.client import GenerateResult
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_flash.weight_sync.hf_spec import HFModelSpec
-from megatron_flash.weight_sync.layouts import DictReader, hf_to_shard, shards_to_hf
-from megatron_flash.weight_sync.name_maps import NAME_MAPS, Rule
+from megatron_flash.hf.spec import HFModelSpec
+from megatron_flash.hf.layouts import DictReader, hf_to_shard, shards_to_hf
+from megatron_flash.hf.name_maps import NAME_MAPS, Rule
 
 SPEC = HFModelSpec(
     family="llama", architecture="LlamaForCausalLM", vocab_size=10, hidden_size=8, ffn_hidden_size=12,

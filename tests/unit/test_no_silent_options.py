@@ -28,7 +28,7 @@ from megatron_flash.trainer.model_builder import (
     validate_layout,
 )
 from megatron_flash.trainer.policy import PolicySettings
-from megatron_flash.weight_sync.hf_spec import HFModelSpec
+from megatron_flash.hf.spec import HFModelSpec
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = HFModelSpec(family="llama", architecture="LlamaForCausalLM", vocab_size=1000, hidden_size=64,

@@ -10,7 +10,7 @@ from typing import Any, Awaitable, Callable, List
 
 import pytest
 
-from megatron_flash.rollout.engine_client import EngineClient, EngineHTTPError
+from megatron_flash.engines.client import EngineClient, EngineHTTPError
 from megatron_flash.rollout.proxy import EngineFanOutError, LLMProxy
 from tests.unit.fake_engine import FakeEngine
 

@@ -18,7 +18,7 @@ import pytest
 
 from megatron_flash.config.schema import EngineConfig
 from megatron_flash.ports import free_ports
-from megatron_flash.rollout.sglang_launcher import (EngineCommand, EngineLauncher, EngineStartupError,
+from megatron_flash.engines.launcher import (EngineCommand, EngineLauncher, EngineStartupError,
                                                     server_args_to_flags)
 
 REPO = str(Path(__file__).resolve().parents[2])
@@ -119,7 +119,7 @@ def test_cpu_backend_and_config(tmp_path: Path) -> None:
     config.validate()
     launcher = EngineLauncher.from_config(config, model_path="/m", run_dir=str(tmp_path))
     spec = launcher.specs()[1]
-    assert spec.argv == (sys.executable, "-m", "megatron_flash.rollout.cpu_server", "--model-path", "/m",
+    assert spec.argv == (sys.executable, "-m", "megatron_flash.engines.cpu_server", "--model-path", "/m",
                          "--host", "127.0.0.1", "--port", "32001", "--num-blocks", "64")
     assert "CUDA_VISIBLE_DEVICES" not in spec.env
     with pytest.raises(ValueError, match="tp_size must be 1"):
@@ -181,7 +181,7 @@ def test_startup_deadline_raises_and_stops(tmp_path: Path, dummy: EngineCommand)
 SUPERVISOR = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {repo!r})
-    from megatron_flash.rollout.sglang_launcher import EngineCommand, EngineLauncher
+    from megatron_flash.engines.launcher import EngineCommand, EngineLauncher
     launcher = EngineLauncher(backend="cpu", model_path="/m", base_port={port}, run_dir={run_dir!r},
                               command=EngineCommand((sys.executable, {script!r}), tp_flag=None),
                               startup_timeout_s=30, poll_interval_s=0.1, stop_grace_s=3)

@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from megatron_flash.config import load_config
-from megatron_flash.rollout.sglang_launcher import EngineCommand, EngineLauncher
+from megatron_flash.engines.launcher import EngineCommand, EngineLauncher
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM = REPO / "launch" / "slurm"

@@ -221,14 +221,14 @@ def receiver_main(conn: Any, shapes: list[tuple[str, tuple[int, ...], str]], tra
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from megatron_flash.rollout.cpu_engine import safe_deserialize
+    from megatron_flash.engines.weight_payloads import safe_deserialize
 
     torch.set_num_threads(1)
     mp.set_sharing_strategy("file_system")
     tensors = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, s, d in shapes}  # zeros: pages exist
     group, kept, probe = None, {}, None
     if transport == "broadcast":
-        from megatron_flash.weight_sync.process_group import new_weight_update_group
+        from megatron_flash.engines.process_group import new_weight_update_group
 
         group = new_weight_update_group(master_address="127.0.0.1", master_port=options["port"], rank=1,
                                         world_size=2, group_name="mf_bench")
@@ -283,7 +283,7 @@ class Sender:
         import torch
 
         if self.args.transport == "broadcast":
-            from megatron_flash.weight_sync.process_group import new_weight_update_group
+            from megatron_flash.engines.process_group import new_weight_update_group
 
             self.group = new_weight_update_group(master_address="127.0.0.1", master_port=port, rank=0,
                                                  world_size=2, group_name="mf_bench")
@@ -388,7 +388,7 @@ def run_transport(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.multiprocessing as mp
 
-    from megatron_flash.trainer.distributed import free_port
+    from megatron_flash.ports import free_ports
 
     torch.set_num_threads(1)
     mp.set_sharing_strategy("file_system")  # as bridge.py (file_descriptor crashes SGLang)
@@ -396,7 +396,7 @@ def run_transport(args: argparse.Namespace) -> dict[str, Any]:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     memcpy = Memcpy(nbytes)
     shapes = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in state.items()]
-    port = free_port()
+    port = free_ports(1)
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     options = {"port": port, "keep_mapping": args.keep_mapping}
@@ -510,8 +510,9 @@ def staged_bridge_class() -> Any:
 
 
 def run_engine(args: argparse.Namespace) -> dict[str, Any]:
-    from megatron_flash.rollout.sglang_launcher import EngineLauncher
-    from megatron_flash.trainer.distributed import destroy_distributed, free_port
+    from megatron_flash.engines.launcher import EngineLauncher
+    from megatron_flash.ports import free_ports
+    from megatron_flash.trainer.distributed import destroy_distributed
     from megatron_flash.weight_sync.bridge import WeightBridge
 
     tmp = tempfile.mkdtemp(prefix="mf_bench_engine_", dir=args.disk_dir or None)
@@ -521,7 +522,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         policy = build_policy(model)
         nbytes = model_bytes(policy)
         memcpy = Memcpy(nbytes)
-        launcher = EngineLauncher(backend="cpu", model_path=model, base_port=free_port(), run_dir=tmp,
+        launcher = EngineLauncher(backend="cpu", model_path=model, base_port=free_ports(1), run_dir=tmp,
                                   startup_timeout_s=600)
         launcher.__enter__()
         engine_pid = launcher.pids[0]

@@ -81,7 +81,7 @@ def build_stage(hf_dir: str, *, tp: int, pp: int, dtype: str, divisible_by: int)
     """(stage, spec, layout, padded_vocab) for this rank; parameters hold Megatron's init."""
     from megatron_flash.trainer.distributed import init_distributed
     from megatron_flash.trainer.model_builder import build_gpt_stage, padded_vocab_size, transformer_config, validate_layout
-    from megatron_flash.weight_sync.hf_spec import read_hf_spec
+    from megatron_flash.hf.spec import read_hf_spec
 
     spec = read_hf_spec(hf_dir)
     validate_layout(spec, tp_size=tp, pp_size=pp)
@@ -110,7 +110,7 @@ def _replace_dir(partial: str, out: str) -> None:
 def hf_to_mcore(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from megatron_flash.trainer.hf_io import TOKENIZER_FILES, load_hf_weights
+    from megatron_flash.hf.io import TOKENIZER_FILES, load_hf_weights
 
     check_hf_dir(args.hf, need_weights=True)
     check_out(args.out)
@@ -154,7 +154,7 @@ def hf_to_mcore(args: argparse.Namespace) -> dict[str, Any]:
 def mcore_to_hf(args: argparse.Namespace) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
-    from megatron_flash.trainer.hf_io import export_hf
+    from megatron_flash.hf.io import export_hf
     from megatron_flash.trainer.model_builder import DTYPES
 
     meta = check_ckpt_dir(args.ckpt)

@@ -47,8 +47,8 @@ def main() -> int:
     import torch.distributed as dist
 
     from megatron_flash.config.schema import OptimizerConfig
-    from megatron_flash.rollout.engine_client import EngineClient
-    from megatron_flash.rollout.sglang_launcher import EngineLauncher
+    from megatron_flash.engines.client import EngineClient
+    from megatron_flash.engines.launcher import EngineLauncher
     from megatron_flash.trainer.distributed import destroy_distributed
     from megatron_flash.ports import free_ports
     from megatron_flash.trainer.loss_adapter import nll_loss_fn

@@ -1,6 +1,8 @@
 """Generation engine of the CPU engine server: transformers continuous batching (CB) with SGLang sampling.
 
-The HTTP layer (`cpu_server.py`) is thin; every behaviour of the SGLang contract lives here.
+The HTTP layer (`cpu_server.py`) is thin; the SGLang contract lives here and beside it: sampling semantics
+in `sampling.py`, memory hand-off and weight updates in `cpu_engine_updates.py` (a mixin of this class),
+the accepted weight payloads in `weight_payloads.py`.
 
     HTTP coroutine ──admit (waits while paused / updating)──► _Request ──add_request──► CB manager thread
          ▲                                                                               │ paged KV, scheduling,
@@ -28,105 +30,22 @@ While paused, new requests wait at admission until continue_generation.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import gc
-import glob
-import io
 import logging
-import math
 import os
-import pickle
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from megatron_flash.weight_sync.process_group import new_weight_update_group  # noqa: F401 (re-export)
+from megatron_flash.engines.cpu_engine_updates import EngineUpdates
+from megatron_flash.engines.sampling import SamplingSpec, sample_rows
 
 logger = logging.getLogger(__name__)
-
-TOP_K_ALL = 1 << 30
-_SAMPLING_EPS = 1e-6
-_FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
-                  "queued. Retract or finish them, then call /flush_cache.")
 
 
 def abort_reason(message: str = "Aborted", status_code: int | None = None, err_type: str | None = None) -> dict:
     return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SamplingSpec:
-    """The subset of SGLang's `sampling_params` the CPU engine implements (same names, defaults, checks)."""
-
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = TOP_K_ALL
-    min_p: float = 0.0
-    min_new_tokens: int = 0
-    stop_token_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
-    sampling_seed: int | None = None
-
-    # Accepted only at their neutral value: anything else changes the distribution in ways not implemented here.
-    _NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "n": 1,
-                "stop": None, "stop_regex": None, "json_schema": None, "regex": None, "ebnf": None,
-                "structural_tag": None, "logit_bias": None, "beam_width": None, "custom_params": None}
-    _IGNORED = ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval")
-
-    @property
-    def greedy(self) -> bool:
-        return self.top_k == 1
-
-    @classmethod
-    def from_json(cls, params: dict | None, *, vocab_size: int) -> "SamplingSpec":
-        if params is not None and not isinstance(params, dict):
-            raise ValueError(f"sampling_params must be an object, got {type(params).__name__}")
-        params = dict(params or {})
-        for key, neutral in cls._NEUTRAL.items():
-            value = params.pop(key, None)
-            if value not in (None, neutral, [], "", {}):
-                raise ValueError(f"sampling_params.{key}={value!r} is not supported by the CPU engine")
-        for key in cls._IGNORED:
-            params.pop(key, None)
-        known = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "min_new_tokens", "stop_token_ids",
-                 "ignore_eos", "sampling_seed"}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(f"unknown sampling_params: {unknown}")
-
-        def get(name: str, default: Any) -> Any:
-            value = params.get(name)
-            return default if value is None else value
-
-        temperature, top_k = float(get("temperature", 1.0)), int(get("top_k", -1))
-        max_new_tokens, min_new_tokens = int(get("max_new_tokens", 128)), int(get("min_new_tokens", 0))
-        top_p, min_p = float(get("top_p", 1.0)), float(get("min_p", 0.0))
-        if not math.isfinite(temperature) or temperature < 0.0:
-            raise ValueError(f"temperature must be a non-negative finite number, got {temperature}.")
-        if 0 <= temperature < _SAMPLING_EPS:  # SGLang: greedy is top_k = 1 at temperature 1
-            temperature, top_k = 1.0, 1
-        if top_k == -1:
-            top_k = TOP_K_ALL
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
-        if not 0.0 <= min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {min_p}.")
-        if top_k < 1:
-            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be at least 0, got {max_new_tokens}.")
-        if not 0 <= min_new_tokens <= max_new_tokens:
-            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens({max_new_tokens})], got {min_new_tokens}.")
-        stop_ids = frozenset(int(t) for t in (params.get("stop_token_ids") or []) if t is not None)
-        if any(not 0 <= t < vocab_size for t in stop_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab_size - 1}], got {sorted(stop_ids)}")
-        seed = params.get("sampling_seed")
-        return cls(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                   min_new_tokens=min_new_tokens, stop_token_ids=stop_ids, ignore_eos=bool(get("ignore_eos", False)),
-                   sampling_seed=None if seed is None else int(seed))
 
 
 class _Request:
@@ -237,7 +156,7 @@ class _PauseHolder:
         self._release.set()
 
 
-class CpuEngine:
+class CpuEngine(EngineUpdates):
     """SGLang-contract generation engine on transformers continuous batching (CPU, fp32).
 
     All public coroutines run on one asyncio loop; the CB loop runs in its own thread.
@@ -317,33 +236,10 @@ class CpuEngine:
     def _sample_step(self, cb_ids: list[str], scores: torch.Tensor) -> torch.Tensor:
         with self._lock:
             reqs = [self._by_cb_id.get(cb_id) for cb_id in cb_ids]
-        scores = scores.float().clone()
-        temperatures = torch.ones(len(reqs), 1)
-        for i, req in enumerate(reqs):
-            if req is None:
-                continue
-            if not req.spec.greedy:
-                temperatures[i, 0] = req.spec.temperature
-            if len(req.output_ids) < req.spec.min_new_tokens and req.stop_ids:
-                scores[i, sorted(req.stop_ids)] = float("-inf")
-        logprobs = torch.log_softmax(scores / temperatures, dim=-1)
-        tokens = torch.argmax(scores, dim=-1)
-        for i, req in enumerate(reqs):
-            if req is None or req.spec.greedy:
-                continue
-            probs = logprobs[i].exp()
-            spec = req.spec
-            if spec.top_k < probs.numel():
-                kth = torch.topk(probs, spec.top_k).values[-1]
-                probs = torch.where(probs < kth, 0.0, probs)
-            if spec.top_p < 1.0:
-                sorted_probs, order = torch.sort(probs, descending=True)
-                exclusive = torch.cumsum(sorted_probs, 0) - sorted_probs
-                sorted_probs[exclusive > spec.top_p * sorted_probs.sum()] = 0.0
-                probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-            if spec.min_p > 0.0:
-                probs = torch.where(probs < spec.min_p * probs.max(), 0.0, probs)
-            tokens[i] = torch.multinomial(probs, 1, generator=req.generator)[0]
+        specs = [None if r is None else r.spec for r in reqs]
+        banned = [sorted(r.stop_ids) if r is not None and len(r.output_ids) < r.spec.min_new_tokens else []
+                  for r in reqs]
+        tokens, logprobs = sample_rows(scores, specs, [None if r is None else r.generator for r in reqs], banned)
 
         touched = []
         with self._lock:
@@ -365,7 +261,7 @@ class CpuEngine:
         for req in touched:
             if req.finish is not None or req.progress is not None:
                 req.notify()
-        one_hot = torch.full_like(scores, float("-inf"))
+        one_hot = torch.full(scores.shape, float("-inf"), dtype=torch.float32, device=scores.device)
         one_hot.scatter_(1, tokens.view(-1, 1), 0.0)
         return one_hot
 
@@ -594,362 +490,11 @@ class CpuEngine:
     def holds_kv(self) -> bool:
         with self._lock:
             return bool(self._by_cb_id)
-
-    # ------------------------------------------------------------------ memory occupation (colocated mode)
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes this process holds now: the served weights (live tensors) and its resident set."""
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        return {"weights_bytes": weights, "rss_bytes": rss}
-
-    def _idle_error(self) -> str:
-        busy = [r.rid for r in self._live.values() if r.finish is None]
-        if busy or self._retracted:
-            return (f"release_memory_occupation should be called only when server is idle: "
-                    f"{len(busy)} request(s) running ({', '.join(busy[:3])}{'...' if len(busy) > 3 else ''}); "
-                    "pause_generation(mode=abort) first")
-        return ""
-
-    async def release_memory(self, tags: list[str] | None) -> dict[str, Any]:
-        """SGLang's /release_memory_occupation on CPU: `weights` frees every parameter's storage (the
-        values are lost, as with SGLang's memory saver without CPU backup: push weights after resume),
-        `kv_cache` stops the batching loop and frees its paged cache, `cuda_graph` has nothing to free.
-        Requests that arrive meanwhile wait at admission until everything is resumed."""
-        self._ensure_loop_state()
-        tags = _memory_tags(tags)
-        error = self._idle_error()
-        if error:
-            raise ValueError(error)
-        before = self.memory_bytes()
-        async with self._gate:
-            new = [t for t in tags if t not in self._released]
-            self._released.update(tags)
-            self.num_releases += 1
-        if "kv_cache" in new:
-            manager, self._manager = self._manager, None
-            await asyncio.to_thread(manager.stop, block=True, timeout=10, hard_stop=True)
-            del manager
-        if "weights" in new:
-            with torch.no_grad():
-                for name, param in self.model.named_parameters():
-                    self._weight_meta[name] = (param.shape, param.dtype)
-                    param.data = torch.empty(0, dtype=param.dtype)
-        gc.collect()
-        _malloc_trim()
-        return {"released": sorted(self._released), "before": before, "after": self.memory_bytes()}
-
-    async def resume_memory(self, tags: list[str] | None) -> dict[str, Any]:
-        """Take the released memory back. Resumed weights are zeros until the next weight update."""
-        self._ensure_loop_state()
-        tags = _memory_tags(tags)
-        missing = [t for t in tags if t not in self._released and t != "cuda_graph"]
-        if missing:
-            raise ValueError(f"resume_memory_occupation: tag(s) {missing} are not released "
-                             f"(released: {sorted(self._released) or 'none'})")
-        before = self.memory_bytes()
-        if "weights" in tags:
-            with torch.no_grad():
-                for name, param in self.model.named_parameters():
-                    shape, dtype = self._weight_meta.pop(name)
-                    param.data = torch.zeros(shape, dtype=dtype)
-        if "kv_cache" in tags:
-            self._manager = await asyncio.to_thread(self._new_manager)
-        async with self._gate:
-            self._released.difference_update(tags)
-            self._gate.notify_all()
-        return {"released": sorted(self._released), "before": before, "after": self.memory_bytes()}
-
-    # ------------------------------------------------------------------ weight updates
-    async def run_weight_update(self, load: Callable[[], str], *, weight_version: str | None,
-                                flush_cache: bool, abort_all_requests: bool = False) -> tuple[bool, str]:
-        """Run `load` (in a thread, CB parked) with SGLang's locking: immediately when paused, otherwise after the
-        in-flight requests finish while new ones wait. Returns (success, message) as SGLang's endpoints."""
-        self._ensure_loop_state()
-        if abort_all_requests:
-            self.abort(abort_all=True)
-        async with self._update_lock:
-            if not self._paused:
-                async with self._gate:
-                    self._num_updates_waiting += 1
-                try:
-                    while any(r.finish is None for r in self._live.values()):
-                        await asyncio.sleep(0.005)
-                    success, message = await self._load_parked(load)
-                finally:
-                    async with self._gate:
-                        self._num_updates_waiting -= 1
-                        self._gate.notify_all()
-            else:
-                success, message = await self._load_parked(load)
-        if success:
-            self._set_version(weight_version)
-            if weight_version is not None:
-                message += f" Weight version updated to {weight_version}."
-            if flush_cache and self.holds_kv():
-                return False, _FLUSH_REFUSED
-        return success, message
-
-    def _parked(self) -> Any:
-        """CB paused for the duration (nothing to pause while the KV cache, with its loop, is released)."""
-        import contextlib
-
-        return contextlib.nullcontext() if self._manager is None else self._manager.pause()
-
-    async def _load_parked(self, load: Callable[[], str]) -> tuple[bool, str]:
-        def parked() -> str:
-            with self._parked():
-                return load()
-        try:
-            return True, await asyncio.to_thread(parked)
-        except Exception as error:
-            logger.exception("weight update failed")
-            return False, f"Failed to update weights: {error}"
-
-    async def input_token_logprobs(self, prompt_ids: list[int], start: int, *,
-                                   return_text: bool = False) -> list[list[Any]]:
-        """SGLang's `meta_info.input_token_logprobs` for `logprob_start_len=start`: one
-        [logprob, token_id, text] per prompt position start…end, the first logprob None (SGLang's logits
-        start at that position). A teacher-forced forward of the served model, CB parked, no update running."""
-        if start >= len(prompt_ids):
-            return []
-
-        @torch.no_grad()
-        def forward() -> list[float]:
-            if "weights" in self._released:
-                raise ValueError("the weights are released (release_memory_occupation): resume them first")
-            with self._parked():
-                logits = self.model(input_ids=torch.tensor([prompt_ids])).logits[0].float()
-            logprobs = torch.log_softmax(logits[:-1], dim=-1)
-            return logprobs.gather(-1, torch.tensor(prompt_ids[1:])[:, None])[:, 0].tolist()
-
-        self._ensure_loop_state()
-        async with self._update_lock:
-            values = await asyncio.to_thread(forward)
-        ids = prompt_ids[start:]
-        texts = ([self.tokenizer.decode([t]) for t in ids] if return_text and self.tokenizer is not None
-                 else [None] * len(ids))
-        return [[lp, t, text] for lp, t, text in zip([None] + values[start:], ids, texts)]
-
-    def _set_version(self, new_version: str | None) -> None:
-        if new_version is None or new_version == self.weight_version:
-            return
-        with self._lock:
-            for req in self._live.values():
-                if req.finish is None and req.output_ids:
-                    req.version_events.append((self.weight_version, len(req.output_ids)))
-        self.weight_version = new_version
-
-    def begin_session(self) -> tuple[bool, str]:
-        if self._session_open:
-            return False, "a weight-update session is already open; call end_weight_update() first"
-        self._session_open = True
-        return True, "Success"
-
-    def end_session(self) -> tuple[bool, str]:
-        if not self._session_open:
-            return False, "no weight-update session is open; call begin_weight_update() first"
-        self._session_open = False
-        return True, "Success"
-
-    def require_session(self, endpoint: str) -> None:
-        if not self._session_open:
-            raise ValueError(f"{endpoint} must run between begin_weight_update() and end_weight_update()")
-
-    def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the served model in place (all names and shapes checked first)."""
-        if "weights" in self._released:
-            raise ValueError("the weights are released (release_memory_occupation): "
-                             "resume_memory_occupation(tags=['weights']) before updating them")
-        params = self.model.state_dict(keep_vars=True)  # includes tied aliases such as lm_head.weight
-        for name, tensor in named:
-            if name not in params:
-                raise ValueError(f"unknown parameter {name!r}")
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(f"shape of {name}: got {tuple(tensor.shape)}, model has {tuple(params[name].shape)}")
-        with torch.no_grad():
-            for name, tensor in named:
-                params[name].data.copy_(tensor.to(dtype=params[name].dtype, device=params[name].device))
-
-    def load_from_disk(self, model_path: str, load_format: str | None) -> str:
-        from safetensors.torch import load_file
-
-        if load_format not in (None, "auto", "safetensors", "pt"):
-            raise ValueError(f"load_format {load_format!r} is not supported by the CPU engine (auto, safetensors, pt)")
-        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
-        if files:
-            named = [item for f in files for item in load_file(f).items()]
-        else:
-            files = sorted(glob.glob(os.path.join(model_path, "*.bin")))
-            if not files:
-                raise ValueError(f"no *.safetensors or *.bin weights in {model_path!r}")
-            named = [item for f in files for item in torch.load(f, map_location="cpu", weights_only=True).items()]
-        self.load_named_tensors(named)
-        self.model_path = model_path
-        self.load_format = load_format or "auto"
-        return "Succeeded to update model weights."
-
-    def load_from_tensor_payload(self, payload: bytes, load_format: str | None) -> str:
-        data = safe_deserialize(payload)
-        if load_format == "flattened_bucket":
-            flat, metadata = data["flattened_tensor"], data["metadata"]
-            named = [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in metadata]
-        elif load_format in (None, "direct"):
-            named = [(name, t.get(0) if isinstance(t, LocalSerializedTensor) else t) for name, t in data]
-        else:
-            raise ValueError(f"Unknown load_format={load_format}")
-        self.load_named_tensors(named)
-        return "Success"
-
-    def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                   group_name: str, backend: str) -> str:
-        if group_name in self._groups:
-            raise ValueError(f"weight update group {group_name!r} already exists")
-        self._groups[group_name] = new_weight_update_group(
-            master_address=master_address, master_port=master_port, rank=rank_offset, world_size=world_size,
-            group_name=group_name, backend=backend)
-        return "Succeeded to initialize custom process group."
-
-    def destroy_group(self, group_name: str) -> str:
-        group = self._groups.pop(group_name, None)
-        if group is None:
-            raise ValueError("The group to be destroyed does not exist.")
-        torch.distributed.destroy_process_group(group)
-        return "Succeeded to destroy custom process group."
-
-    def receive_broadcast(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
-                          load_format: str | None) -> str:
-        """Receive one SGLang-style broadcast from rank 0 and load it (plain: one broadcast per tensor;
-        flattened_bucket: one uint8 buffer holding every tensor back to back)."""
-        if group_name not in self._groups:
-            raise ValueError(f"Group {group_name} not in {list(self._groups)}. "
-                             "Please call `init_weights_update_group` first.")
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise ValueError("names, dtypes and shapes must have the same length")
-        group = self._groups[group_name]
-        dtype_objs = [getattr(torch, d) if isinstance(d, str) else d for d in dtypes]
-        if load_format == "flattened_bucket":
-            offsets, offset = [], 0
-            for dtype, shape in zip(dtype_objs, shapes):
-                if offset % dtype.itemsize:
-                    raise ValueError(f"Unaligned received tensor: byte offset {offset}, dtype {dtype}")
-                size = math.prod(shape) * dtype.itemsize
-                offsets.append((offset, offset + size))
-                offset += size
-            flat = torch.empty(offset, dtype=torch.uint8)
-            torch.distributed.broadcast(flat, src=0, group=group)
-            named = [(n, flat[a:b].view(d).reshape(s)) for n, d, s, (a, b) in zip(names, dtype_objs, shapes, offsets)]
-        elif load_format is None:
-            named = [(n, torch.empty(s, dtype=d)) for n, d, s in zip(names, dtype_objs, shapes)]
-            handles = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for _, t in named]
-            for handle in handles:
-                handle.wait()
-        else:
-            raise ValueError(f"Unknown load_format={load_format}")
-        self.load_named_tensors(named)
-        return "Succeeded to update parameter online."
-
     def shutdown(self) -> None:
         if self._pause_holder is not None:
             self._pause_holder.release()
         if self._manager is not None and self._manager.is_running():
             self._manager.stop(block=True, timeout=10, hard_stop=True)
-
-
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-"""SGLang's memory-occupation tags; none given = all of them."""
-
-
-def _memory_tags(tags: list[str] | None) -> list[str]:
-    if tags is None or len(tags) == 0:
-        return list(MEMORY_TAGS)
-    if not isinstance(tags, list) or any(t not in MEMORY_TAGS for t in tags):
-        raise ValueError(f"tags: {tags!r}; each must be one of {list(MEMORY_TAGS)}")
-    return list(dict.fromkeys(tags))
-
-
-def _malloc_trim() -> None:
-    """Hand freed heap pages back to the OS (glibc keeps them otherwise); a no-op elsewhere."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-# ---------------------------------------------------------------------- update_weights_from_tensor payloads
-@dataclasses.dataclass
-class LocalSerializedTensor:
-    """Stand-in for SGLang's LocalSerializedTensor: one serialized tensor per engine TP rank."""
-
-    values: list
-
-    def get(self, rank: int) -> torch.Tensor:
-        return safe_deserialize(self.values[rank])
-
-
-@dataclasses.dataclass
-class FlattenedTensorMetadata:
-    """Stand-in for sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata (same fields)."""
-
-    name: str
-    shape: Any
-    dtype: Any
-    start_idx: int
-    end_idx: int
-    numel: int
-
-
-class FlattenedTensorBucket:
-    """Stand-in for SGLang's FlattenedTensorBucket so a pickled bucket can be rebuilt (data only)."""
-
-
-_TORCH_MP = "torch.multiprocessing.reductions"
-_ALLOWED_GLOBALS = {
-    ("builtins", n) for n in ("bool", "bytearray", "bytes", "complex", "dict", "float", "frozenset", "int", "list",
-                              "range", "set", "slice", "str", "tuple")
-} | {
-    ("collections", "OrderedDict"), ("copyreg", "__newobj__"), ("_codecs", "encode"),
-    ("multiprocessing.resource_sharer", "DupFd"), ("torch", "Size"), ("torch", "device"), ("torch", "dtype"),
-    ("torch", "Tensor"), ("torch.nn.parameter", "Parameter"), ("torch.storage", "UntypedStorage"),
-    ("torch.storage", "TypedStorage"), ("torch", "UntypedStorage"), ("torch.serialization", "_get_layout"),
-    ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor_v3"),
-    ("torch._utils", "_rebuild_parameter"), ("torch._utils", "_rebuild_parameter_with_state"),
-    ("torch._tensor", "_rebuild_from_type_v2"),
-    (_TORCH_MP, "rebuild_tensor"), (_TORCH_MP, "rebuild_storage_fd"), (_TORCH_MP, "rebuild_storage_filename"),
-    (_TORCH_MP, "rebuild_storage_empty"), (_TORCH_MP, "rebuild_typed_storage"),
-    (_TORCH_MP, "rebuild_typed_storage_child"),
-}
-_STAND_INS = {
-    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): FlattenedTensorMetadata,
-    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorBucket"): FlattenedTensorBucket,
-    ("sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor"):
-        LocalSerializedTensor,
-    ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): LocalSerializedTensor,
-}
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    """Allowlist unpickler for SGLang's MultiprocessingSerializer payloads: tensors, storages shared through
-    torch.multiprocessing, dtypes and plain containers; anything else (code) is refused."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _STAND_INS:
-            return _STAND_INS[(module, name)]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (module, name) in _ALLOWED_GLOBALS or (module == "torch" and name.endswith("Storage")):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
-
-
-def safe_deserialize(data: bytes | str) -> Any:
-    if isinstance(data, str):
-        import base64
-
-        data = base64.b64decode(data, validate=True)
-    return _SafeUnpickler(io.BytesIO(data)).load()
 
 
 def model_summary(engine: CpuEngine) -> dict:

@@ -15,15 +15,17 @@ import glob
 import json
 import os
 import shutil
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_flash.trainer.distributed import Layout
-from megatron_flash.weight_sync.hf_spec import CheckpointError, HFModelSpec
-from megatron_flash.weight_sync.layouts import hf_to_shard, shards_to_hf
-from megatron_flash.weight_sync.name_maps import name_map_for
+from megatron_flash.hf.spec import CheckpointError, HFModelSpec
+from megatron_flash.hf.layouts import hf_to_shard, shards_to_hf
+from megatron_flash.hf.name_maps import name_map_for
+
+if TYPE_CHECKING:
+    from megatron_flash.trainer.distributed import Layout
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
@@ -87,8 +89,6 @@ class SafetensorsReader:
 def _chunk_params(model: Any) -> Iterator[tuple[int, str, torch.nn.Parameter]]:
     """(global index of the chunk's first layer, name, parameter) over a model or a list of model
     chunks (interleaved pipeline); Megatron's DDP wrapper is looked through."""
-    from megatron_flash.trainer.model_builder import layer_offset
-
     for chunk in (model if isinstance(model, (list, tuple)) else [model]):
         offset = layer_offset(chunk)
         inner = getattr(chunk, "module", chunk)
@@ -96,7 +96,17 @@ def _chunk_params(model: Any) -> Iterator[tuple[int, str, torch.nn.Parameter]]:
             yield offset, name, param
 
 
-def load_hf_weights(model: Any, model_dir: str, *, spec: HFModelSpec, layout: Layout,
+def layer_offset(chunk: Any) -> int:
+    """Global index of a model chunk's first layer (chunks number their layers from 0): Megatron's
+    own rule, so interleaved chunks (layers v·P·n + p·n … for pipeline rank p, virtual stage v, n
+    layers per chunk) come out the way the schedule runs them."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    inner = getattr(chunk, "module", chunk)  # under Megatron's DDP wrapper
+    return get_transformer_layer_offset(inner.config, vp_stage=inner.vp_stage)
+
+
+def load_hf_weights(model: Any, model_dir: str, *, spec: HFModelSpec, layout: "Layout",
                     padded_vocab_size: int) -> list[str]:
     """Copy this rank's shard of every parameter (of a model or its chunks) from the HF checkpoint.
     Returns the HF names read."""
@@ -118,7 +128,7 @@ def load_hf_weights(model: Any, model_dir: str, *, spec: HFModelSpec, layout: La
     return used
 
 
-def _gather_tp(tensor: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+def _gather_tp(tensor: torch.Tensor, layout: "Layout") -> list[torch.Tensor]:
     if layout.tp_size == 1:
         return [tensor]
     from megatron.core import parallel_state as ps
@@ -128,7 +138,7 @@ def _gather_tp(tensor: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     return parts
 
 
-def stage_hf_tensors(model: Any, *, spec: HFModelSpec, layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
+def stage_hf_tensors(model: Any, *, spec: HFModelSpec, layout: "Layout") -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for this PP stage's parameters (every chunk of it under
     interleaving); every TP rank must iterate."""
     name_map = name_map_for(spec)
@@ -140,7 +150,7 @@ def stage_hf_tensors(model: Any, *, spec: HFModelSpec, layout: Layout) -> Iterat
         yield from shards_to_hf(rule, hf_names, shards, spec=spec).items()
 
 
-def export_hf(model: Any, out_dir: str, *, spec: HFModelSpec, layout: Layout,
+def export_hf(model: Any, out_dir: str, *, spec: HFModelSpec, layout: "Layout",
               source_dir: str, dtype: Optional[torch.dtype] = None) -> None:
     """Write a HF checkpoint (sharded by PP stage) readable by transformers and by `load_hf_weights`."""
     from safetensors.torch import save_file

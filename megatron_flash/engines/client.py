@@ -515,6 +515,18 @@ class EngineClient:
                 "world_size": world_size, "group_name": group_name, "backend": backend}
         return await self._update("/init_weights_update_group", body, timeout_s, needs_session=False)
 
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group", *,
+                                           timeout_s: Optional[float] = None) -> Dict[str, Any]:
+        """Leave and tear down the named weight-update group on the engine."""
+        return await self._update("/destroy_weights_update_group", {"group_name": group_name}, timeout_s,
+                                  needs_session=False)
+
+    async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False,
+                                    timeout_s: Optional[float] = None) -> Dict[str, Any]:
+        """Set the version label the engine reports (meta_info.weight_version) without loading weights."""
+        body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        return await self._update("/update_weight_version", body, timeout_s, needs_session=False)
+
     async def update_weights_from_distributed(self, *, names: Sequence[str], dtypes: Sequence[str],
                                               shapes: Sequence[Sequence[int]],
                                               group_name: str = "weight_update_group",

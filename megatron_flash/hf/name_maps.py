@@ -22,7 +22,7 @@ import dataclasses
 import re
 from typing import Optional
 
-from megatron_flash.weight_sync.hf_spec import HFModelSpec
+from megatron_flash.hf.spec import HFModelSpec
 
 LAYOUTS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
 

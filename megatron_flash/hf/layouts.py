@@ -14,8 +14,8 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from megatron_flash.weight_sync.hf_spec import HFModelSpec
-from megatron_flash.weight_sync.name_maps import Rule
+from megatron_flash.hf.spec import HFModelSpec
+from megatron_flash.hf.name_maps import Rule
 
 
 class TensorReader(Protocol):

@@ -7,7 +7,7 @@
 What one engine gets (backend sglang, engine i, tp_size t):
     CUDA_VISIBLE_DEVICES=<gpu_ids[i*t:(i+1)*t]> python -m sglang.launch_server --model-path M
         --host H --port base_port+i --tp-size t [--api-key K] <server_args as flags>
-backend cpu runs ``python -m megatron_flash.rollout.cpu_server`` with the same flags minus --tp-size;
+backend cpu runs ``python -m megatron_flash.engines.cpu_server`` with the same flags minus --tp-size;
 backend attach starts nothing and only waits for the given URLs' /health. ``EngineCommand`` is the
 one place a command line is made, so another server (e.g. a test dummy) plugs in the same way.
 
@@ -102,7 +102,7 @@ class EngineCommand:
 
     @classmethod
     def cpu(cls, python: str = sys.executable) -> "EngineCommand":
-        return cls((python, "-m", "megatron_flash.rollout.cpu_server"), tp_flag=None)
+        return cls((python, "-m", "megatron_flash.engines.cpu_server"), tp_flag=None)
 
     @classmethod
     def for_backend(cls, backend: str, python: str = sys.executable) -> "EngineCommand":

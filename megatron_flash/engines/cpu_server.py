@@ -1,7 +1,7 @@
 """CPU engine server: SGLang 0.5.23's native HTTP API over `CpuEngine` (transformers continuous batching).
 
-    python -m megatron_flash.rollout.cpu_server --model-path runs/tiny_model --port 30000
-    python -m megatron_flash.rollout.cpu_server --model-path DIR --port N --host 0.0.0.0 --api-key KEY
+    python -m megatron_flash.engines.cpu_server --model-path runs/tiny_model --port 30000
+    python -m megatron_flash.engines.cpu_server --model-path DIR --port N --host 0.0.0.0 --api-key KEY
 
 Request and response JSON follow SGLang (see docs/engines.md for the fields and the few deviations), so
 one client drives both. The handlers are thin: parse, call the engine, shape SGLang's response.
@@ -72,7 +72,8 @@ def build_app(engine: Any, *, api_key: str | None = None, host: str = "127.0.0.1
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-    from megatron_flash.rollout.cpu_engine import SamplingSpec, model_summary
+    from megatron_flash.engines.cpu_engine import model_summary
+    from megatron_flash.engines.sampling import SamplingSpec
 
     app = FastAPI()
     weight_updates_exposed = api_key is not None or _is_loopback(host)
@@ -463,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing
     import uvicorn
 
-    from megatron_flash.rollout.cpu_engine import CpuEngine
+    from megatron_flash.engines.cpu_engine import CpuEngine
 
     torch.set_num_threads(args.num_threads)
     # Tensors of /update_weights_from_tensor arrive as shared-memory files (file_descriptor crashes here).

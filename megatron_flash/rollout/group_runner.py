@@ -1,0 +1,32 @@
+"""How another package runs a whole group for the scheduler (agentic episodes plug in here).
+
+The scheduler runs a group itself (n single-turn samples) unless the runtime was given a group-runner
+factory; then each group goes to `run_group`, which returns the group's finished, rewarded samples or
+raises `GroupDropped` when the group cannot be completed (counted by the runner, never retried). The
+factory is called on the rollout thread once the proxy exists, with the proxy and a function giving
+the current policy version; the controller builds it, so rollout/ never imports its implementers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+from megatron_flash.types import Sample
+
+
+class GroupDropped(RuntimeError):
+    """Fewer than group_size samples of a group could finish (e.g. env failures): drop it, don't retry."""
+
+
+class GroupRunner(Protocol):
+    stats: Any
+    """A counter object with `take()` → an object with `as_metrics()`: merged into the step's metrics."""
+    rollout_stats: Any
+    """Set by the runtime: the scheduler's counters, for the runner to report its requests in."""
+
+    async def run_group(self, *, group_id: int, prompt: Any, version: int, group_size: int) -> list[Sample]:
+        ...
+
+
+GroupRunnerFactory = Callable[[Any, Callable[[], int]], GroupRunner]
+"""(proxy, current policy version) → the runner."""

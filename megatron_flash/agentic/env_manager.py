@@ -32,6 +32,7 @@ import dataclasses
 import logging
 from typing import Any, Callable, Optional
 
+from megatron_flash.counters import Counters
 from megatron_flash.rollout.group_runner import GroupDropped
 from megatron_flash.types import Sample
 
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class AgenticStats:
+class AgenticStats(Counters):
     episodes: int = 0
     episodes_failed: int = 0
     env_errors: int = 0
@@ -51,12 +52,6 @@ class AgenticStats:
     turns: int = 0
     successes: int = 0
     groups_dropped: int = 0
-
-    def take(self) -> "AgenticStats":
-        snap = dataclasses.replace(self)
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, 0)
-        return snap
 
     def as_metrics(self) -> dict[str, float]:
         done = max(self.episodes, 1)

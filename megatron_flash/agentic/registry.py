@@ -32,6 +32,7 @@ import inspect
 from typing import Any, Callable, Union
 
 from megatron_flash.agentic.protocol import Env, SyncEnv, ThreadedEnv
+from megatron_flash.named import import_named
 
 EnvFactory = Callable[..., Union[Env, SyncEnv]]
 """An Env/SyncEnv subclass, or a function returning an instance of one."""
@@ -81,14 +82,7 @@ def get_env_factory(name: str) -> EnvFactory:
     if not isinstance(name, str) or not name:
         raise ValueError(f"env name must be a non-empty string, got {name!r}")
     if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"env {name!r}: cannot import {attr!r} from {module_name!r}: {e}") from e
-        if not callable(factory):
-            raise ValueError(f"env {name!r} is not a class or a factory function")
-        return factory
+        return import_named(name, what="env", noun="Class")
     _load_builtins()
     if name not in _ENVS:
         raise ValueError(f"unknown env {name!r}; known: {', '.join(sorted(_ENVS))} "

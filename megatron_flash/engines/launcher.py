@@ -25,7 +25,7 @@ chaining to the previous handler). Each server also gets SIGTERM from the kernel
 dies (parent-death signal), so a ``kill -9`` of the trainer leaves no engine behind. The pid of
 engine i is in ``<run_dir>/engines/engine_<i>.pid``.
 
-Restarts (issue 8): ``supervise(max_restarts=k)`` starts a thread that polls the servers; one that
+Restarts: ``supervise(max_restarts=k)`` starts a thread that polls the servers; one that
 exits is reported through ``on_down(url, reason)`` (the rollout side takes it out of routing at
 once), started again with the same command, and once its /health answers it is listed by
 ``take_restarted()`` — it then holds the checkpoint's weights, not the trainer's, so the caller

@@ -10,7 +10,7 @@ Pure torch + stdlib (never Megatron). Usage::
 See docs/losses.md for the formulas, parameters and metrics.
 """
 
-from megatron_flash.losses.advantages import ADVANTAGE_ESTIMATORS, broadcast_to_tokens, compute_advantages
+from megatron_flash.losses.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from megatron_flash.losses.aggregation import AGGREGATION_MODES, aggregate
 from megatron_flash.losses.common import LOG_RATIO_CLAMP, LossFn, LossInputs, LossTerms
 from megatron_flash.losses.corrections import COMMON_PARAMS, KL_ESTIMATORS, MISMATCH_MODES
@@ -31,7 +31,6 @@ __all__ = [
     "LossInputs",
     "LossTerms",
     "aggregate",
-    "broadcast_to_tokens",
     "compute_advantages",
     "get_loss",
     "list_losses",

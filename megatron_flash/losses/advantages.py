@@ -78,13 +78,3 @@ def compute_advantages(
             others = (sizes - 1).clamp(min=1)
             centered = torch.where(sizes > 1, rewards - (sums - rewards) / others, torch.zeros_like(rewards))
     return _normalize(centered, std, eps) if std_normalize else centered
-
-
-def broadcast_to_tokens(adv: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Per-token advantages [N, T]: each response's advantage on its trained tokens, 0 elsewhere."""
-    if adv.dim() != 1 or loss_mask.dim() != 2 or loss_mask.shape[0] != adv.shape[0]:
-        raise ValueError(
-            f"expected adv [N] and loss_mask [N, T], got {tuple(adv.shape)} and {tuple(loss_mask.shape)}"
-        )
-    expanded = adv.unsqueeze(-1).expand(loss_mask.shape)
-    return torch.where(loss_mask != 0, expanded, torch.zeros_like(expanded))

@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import importlib
 import math
 import multiprocessing
 import numbers
@@ -49,6 +48,8 @@ import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Optional, Protocol
+
+from megatron_flash.named import lookup
 
 
 class RewardFn(Protocol):
@@ -75,19 +76,7 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 
 def get_reward(name: str) -> RewardFn:
     """The reward registered as ``name``, or the function named by ``"module:function"``."""
-    if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"reward {name!r}: cannot import {attr!r} from {module_name!r}: {e}") from e
-        if not callable(fn):
-            raise ValueError(f"reward {name!r} is not callable")
-        return fn
-    if name not in _REWARDS:
-        raise ValueError(f"unknown reward {name!r}; known: {', '.join(list_rewards())} "
-                         "(or \"module:function\")")
-    return _REWARDS[name]
+    return lookup(name, _REWARDS, what="reward")
 
 
 def list_rewards() -> list[str]:

@@ -18,8 +18,9 @@ Your own filter: register it at import of your module, or name it as "module:fun
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable, Sequence
+
+from megatron_flash.named import lookup
 
 FilterFn = Callable[[Sequence[float]], bool]
 
@@ -46,19 +47,7 @@ def register_filter(name: str) -> Callable[[FilterFn], FilterFn]:
 
 def get_filter(name: str) -> FilterFn:
     """The filter registered as ``name``, or the function named by ``"module:function"``."""
-    if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"filter {name!r}: cannot import {attr!r} from {module_name!r}: {e}") from e
-        if not callable(fn):
-            raise ValueError(f"filter {name!r} is not callable")
-        return fn
-    if name not in _FILTERS:
-        raise ValueError(f"unknown dynamic filter {name!r}; known: {', '.join(list_filters())} "
-                         "(or \"module:function\")")
-    return _FILTERS[name]
+    return lookup(name, _FILTERS, what="dynamic filter")
 
 
 def list_filters() -> list[str]:

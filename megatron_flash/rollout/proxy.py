@@ -23,7 +23,7 @@ is never retried: it returns ``finish_reason == "abort"`` (synthetic when it nev
 or its engine died after the abort). Other errors (HTTP 4xx/500, malformed replies) propagate: they
 would repeat on every engine.
 
-Control calls (pause/continue/abort_all/flush_cache/weight updates) fan out to every healthy engine
+Control calls (pause/continue/abort_all/flush_cache) fan out to every healthy engine
 and gather results; if any engine fails, ``EngineFanOutError`` names each failed engine.
 
 Metrics (``metrics()``, over the window since construction or ``reset_metrics()``), per engine:
@@ -47,8 +47,8 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import (Any, AsyncIterator, Awaitable, Callable, Deque, Dict, List, Mapping, Optional,
-                    Sequence, Set, TypeVar, Union)
+from typing import (Any, Awaitable, Callable, Deque, Dict, List, Mapping, Optional,
+                    Sequence, Set, TypeVar)
 
 from megatron_flash.engines.client import (EngineClient, EngineError, EngineHTTPError,
                                                   EngineTimeout, EngineUnreachable, GenerateResult)
@@ -512,25 +512,6 @@ class LLMProxy:
     async def flush_cache(self) -> Dict[str, Any]:
         return await self._fan_out("flush_cache", lambda c: c.flush_cache())
 
-    @contextlib.asynccontextmanager
-    async def weight_update_session(self) -> AsyncIterator[None]:
-        """One begin … end session on every healthy engine around all buckets of a sync."""
-        targets = [e for e in self._engines if e.healthy]
-        try:
-            await self._fan_out("begin_weight_update", lambda c: c.begin_weight_update(), targets)
-        except EngineFanOutError as e:
-            opened = [t for t in targets if t.client.url in e.results]
-            with contextlib.suppress(EngineFanOutError):
-                await self._fan_out("end_weight_update", lambda c: c.end_weight_update(), opened)
-            raise
-        try:
-            yield
-        except BaseException:
-            with contextlib.suppress(EngineFanOutError):
-                await self._fan_out("end_weight_update", lambda c: c.end_weight_update(), targets)
-            raise
-        await self._fan_out("end_weight_update", lambda c: c.end_weight_update(), targets)
-
     def note_external_sync(self, weight_version: str, *, failed: Mapping[str, str] = {}) -> None:
         """Weights were pushed around the proxy (the trainer's WeightBridge): the fleet is at
         `weight_version` now, and the engines in `failed` (url → why) must stop serving. They stay
@@ -555,39 +536,6 @@ class LLMProxy:
     def _note_version(self, weight_version: Optional[str]) -> None:
         if weight_version is not None:
             self._fleet_weight_version = weight_version
-
-    async def update_weights_from_tensor(self, serialized_named_tensors: Union[Sequence[Union[str, bytes]],
-                                                                                Mapping[str, Sequence[Union[str, bytes]]]],
-                                         **kwargs: Any) -> Dict[str, Any]:
-        """``serialized_named_tensors``: one list for all engines, or a mapping URL → list."""
-        def call(c: EngineClient) -> Awaitable[Dict[str, Any]]:
-            payload = (serialized_named_tensors[c.url] if isinstance(serialized_named_tensors, Mapping)
-                       else serialized_named_tensors)
-            return c.update_weights_from_tensor(payload, **kwargs)
-
-        results = await self._fan_out("update_weights_from_tensor", call)
-        self._note_version(kwargs.get("weight_version"))
-        return results
-
-    async def init_weights_update_group(self, *, rank_offsets: Mapping[str, int], **kwargs: Any) -> Dict[str, Any]:
-        """``rank_offsets``: URL → the engine's first rank in the group (1 + Σ earlier engines' TP)."""
-        return await self._fan_out("init_weights_update_group", lambda c: c.init_weights_update_group(
-            rank_offset=rank_offsets[c.url], **kwargs))
-
-    async def update_weights_from_distributed(self, **kwargs: Any) -> Dict[str, Any]:
-        results = await self._fan_out("update_weights_from_distributed",
-                                      lambda c: c.update_weights_from_distributed(**kwargs))
-        self._note_version(kwargs.get("weight_version"))
-        return results
-
-    async def update_weights_from_disk(self, model_path: str, **kwargs: Any) -> Dict[str, Any]:
-        results = await self._fan_out("update_weights_from_disk",
-                                      lambda c: c.update_weights_from_disk(model_path, **kwargs))
-        self._note_version(kwargs.get("weight_version"))
-        return results
-
-    async def get_weight_versions(self) -> Dict[str, str]:
-        return await self._fan_out("get_weight_version", lambda c: c.get_weight_version())
 
     # -- metrics --------------------------------------------------------------------------------
     def _tick(self) -> None:

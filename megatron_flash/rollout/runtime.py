@@ -7,33 +7,20 @@ thread-safe methods here.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import logging
 import os
 import threading
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 from megatron_flash.buffer.sample_buffer import SampleBuffer
 from megatron_flash.buffer.staleness import StalenessManager
+from megatron_flash.rollout.filters import get_filter
 from megatron_flash.rollout.group_runner import GroupRunner, GroupRunnerFactory
 from megatron_flash.rollout.scheduler import RolloutScheduler, RolloutStats, SchedulerSettings
 from megatron_flash.types import Group
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_filter(name: str) -> Callable[[Sequence[float]], bool]:
-    """A registered filter name, or "module:function" for a user filter."""
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            return getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"rollout.dynamic_filter={name!r} cannot be imported: {e}") from e
-    from megatron_flash.rollout.filters import get_filter
-
-    return get_filter(name)
 
 
 def sampling_params(rollout_cfg: Any) -> dict[str, Any]:
@@ -112,11 +99,6 @@ class RolloutRuntime:
         self._restore: Optional[dict[str, Any]] = None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> list[str]:
-        self.start_engines()
-        self.start_rollout()
-        return self.urls
-
     def start_engines(self) -> list[str]:
         """Launch (or attach) the engines and wait until they are healthy."""
         from megatron_flash.engines.launcher import EngineLauncher
@@ -181,7 +163,7 @@ class RolloutRuntime:
         self._loop = asyncio.get_running_loop()
         reward_pool = RewardPool(cfg.rollout.reward, num_workers=cfg.rollout.reward_workers)
         try:
-            group_filter = resolve_filter(cfg.rollout.dynamic_filter)
+            group_filter = get_filter(cfg.rollout.dynamic_filter)
             async with LLMProxy.from_config(cfg.engines, self.urls) as proxy:
                 self._proxy = proxy
                 settings = SchedulerSettings(
@@ -263,8 +245,3 @@ class RolloutRuntime:
         except Exception as e:  # metrics must never stop training
             logger.warning("rollout metrics unavailable: %s", e)
             return RolloutStats(), {}
-
-    def wait_closed(self, timeout_s: float = 5.0) -> Optional[BaseException]:
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-        return self._error

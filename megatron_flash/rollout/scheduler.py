@@ -34,6 +34,7 @@ from typing import Any, Callable, Deque, Optional, Sequence
 from megatron_flash.buffer.sample_buffer import SampleBuffer
 from megatron_flash.buffer.staleness import StalenessManager
 from megatron_flash.rollout.group_runner import GroupDropped, GroupRunner
+from megatron_flash.counters import Counters
 from megatron_flash.types import Group, Sample
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class SchedulerSettings:
 
 
 @dataclasses.dataclass
-class RolloutStats:
+class RolloutStats(Counters):
     """Counters since the last `take()` (a metrics window); only the loop thread writes them."""
 
     requests: int = 0
@@ -70,12 +71,6 @@ class RolloutStats:
     groups_expired: int = 0
     """Surplus groups (redundant prompts) cancelled in flight because a push made them stale."""
     group_latency_s: float = 0.0
-
-    def take(self) -> "RolloutStats":
-        snap = dataclasses.replace(self)
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, type(getattr(self, f.name))())
-        return snap
 
 
 class RolloutScheduler:

@@ -20,7 +20,7 @@
             disk       HF safetensors export (atomic) → POST /update_weights_from_disk, which carries
                        the version itself (one call per engine: it is the final call)
 
-Failure midway (issue 5): an engine with any error in a pass is *dirty* — it may hold part of the
+Failure midway: an engine with any error in a pass is *dirty* — it may hold part of the
 buckets. It stays paused (it must not serve mixed weights) and, if it still answers, is re-synced from
 scratch (a whole new pass to it alone, `max_resync` times). One that cannot be re-synced is taken out of
 service: removed from this bridge's engines, listed in `SyncReport.failed_urls`, left paused with its old

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megatron_flash.losses import ADVANTAGE_ESTIMATORS, broadcast_to_tokens, compute_advantages
+from megatron_flash.losses import ADVANTAGE_ESTIMATORS, compute_advantages
 
 
 def adv(name: str, rewards: list[float], groups: list[int], **kwargs) -> list[float]:
@@ -77,12 +77,3 @@ def test_unknown_estimator_lists_names():
 def test_bad_inputs(rewards, groups, kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         compute_advantages("grpo", rewards=rewards, group_ids=groups, **kwargs)
-
-
-def test_broadcast_to_tokens():
-    advantages = torch.tensor([0.5, -2.0])
-    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 0, 0]])
-    expected = torch.tensor([[0.0, 0.5, 0.5, 0.0], [-2.0, -2.0, 0.0, 0.0]])
-    torch.testing.assert_close(broadcast_to_tokens(advantages, mask), expected, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="loss_mask"):
-        broadcast_to_tokens(advantages, mask[:1])

@@ -5,15 +5,19 @@
   config       —                                                    no
   types        —                                                    no
   ports        —                                                    no
+  named        — (the "registered name or module:attr" rule)        no
+  counters     — (metrics windows)                                  no
   planner      —                                                    no
   tracking     config                                               no
   losses       types                                                no
-  rewards      types                                                no
+  rewards      named, types                                         no
   buffer       types                                                no
   engines      ports, types                                         no
   hf           —                                                    yes
-  rollout      buffer, config, engines, rewards, types              no
-  agentic      config, engines, rewards, rollout, types             no
+  rollout      buffer, config, counters, engines, named, rewards,   no
+               types
+  agentic      config, counters, engines, named, rewards, rollout,  no
+               types
   trainer      config, hf, losses, ports, types                     yes
   weight_sync  engines, hf, ports, types                            no
   controller   every package above                                  no
@@ -34,10 +38,11 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_flash"
 ALLOWED: dict[str, set[str]] = {
-    "config": set(), "types": set(), "ports": set(), "planner": set(), "tracking": {"config"},
-    "losses": {"types"}, "rewards": {"types"}, "buffer": {"types"}, "engines": {"ports", "types"},
-    "hf": set(), "rollout": {"buffer", "config", "engines", "rewards", "types"},
-    "agentic": {"config", "engines", "rewards", "rollout", "types"},
+    "config": set(), "types": set(), "ports": set(), "named": set(), "counters": set(), "planner": set(),
+    "tracking": {"config"}, "losses": {"types"}, "rewards": {"named", "types"}, "buffer": {"types"},
+    "engines": {"ports", "types"}, "hf": set(),
+    "rollout": {"buffer", "config", "counters", "engines", "named", "rewards", "types"},
+    "agentic": {"config", "counters", "engines", "named", "rewards", "rollout", "types"},
     "trainer": {"config", "hf", "losses", "ports", "types"},
     "weight_sync": {"engines", "hf", "ports", "types"},
 }

@@ -104,7 +104,7 @@ def warm_up(args: argparse.Namespace, cfg: Any, tokenizer: Any) -> dict[str, Any
     chat = ChatTokens(tokenizer, system_prompt=agentic.system_prompt)
     policy = MegatronPolicy(PolicySettings(hf_path=os.path.join(args.out, "tiny_model"),
                                            micro_batch_size=args.sft_batch, seed=args.seed,
-                                           total_steps=args.sft_steps,
+                                           optimizer_steps=args.sft_steps,
                                            optimizer=OptimizerConfig(lr=1e-3, clip_grad=1.0)))
     rng = random.Random(args.seed)
     seeds = itertools.count(WARM_UP_SEED_OFFSET)

@@ -75,14 +75,14 @@ def run(cfg: RunConfig) -> int:
     from megatron_flash.trainer.loss_adapter import build_loss
 
     try:  # the loss and its parameters are checked before any process group exists
-        build_loss(cfg.loss)
+        loss = build_loss(cfg.loss)
     except ValueError as err:
         if _is_local_leader():
             print(f"config error: loss: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     from megatron_flash.controller import run as run_controller
 
-    run_controller(cfg)
+    run_controller(cfg, loss=loss)
     return 0
 
 

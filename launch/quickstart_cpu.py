@@ -62,7 +62,7 @@ def warm_up(args, tokenizer, task) -> dict:
     from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
 
     policy = MegatronPolicy(PolicySettings(hf_path=os.path.join(args.out, "tiny_model"), micro_batch_size=64,
-                                           seed=args.seed, total_steps=args.sft_steps,
+                                           seed=args.seed, optimizer_steps=args.sft_steps,
                                            optimizer=OptimizerConfig(lr=1e-3, clip_grad=1.0)))
     rng = random.Random(args.seed)
     losses = []

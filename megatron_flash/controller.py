@@ -49,8 +49,9 @@ class RolloutStopped(RuntimeError):
 
 
 class Controller:
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, *, loss: Any = None) -> None:
         self.cfg = cfg
+        self._loss = loss
         self.run_dir = cfg.logging.dir
         self.mode = cfg.trainer.mode
         t = cfg.trainer
@@ -103,7 +104,7 @@ class Controller:
         cfg = self.cfg
         os.makedirs(self.run_dir, exist_ok=True)
         torch.manual_seed(cfg.trainer.seed)
-        self.loss, self.loss_fn = _build_loss(cfg)
+        self.loss, self.loss_fn = _loss_fns(cfg.loss, self._loss)
         self.staleness = StalenessManager(alpha=cfg.async_rl.alpha, batch_size=self.batch_size,
                                           extra=cfg.rollout.extra_prompts * cfg.rollout.n_samples_per_prompt)
         if self.mode != "rollout_only":
@@ -473,19 +474,18 @@ def _picklable(obj: Any) -> bool:
         return False
 
 
-def _build_loss(cfg: Any) -> tuple[Any, Any]:
-    from megatron_flash.trainer.loss_adapter import build_loss_fn
+def _loss_fns(loss_cfg: Any, loss: Any) -> tuple[Any, Any]:
+    """(Loss, the trainer's loss_fn): the launcher's already-checked loss when it passed one."""
+    from megatron_flash.trainer.loss_adapter import build_loss, make_loss_fn
 
-    return build_loss_fn(cfg.loss)
+    loss = loss if loss is not None else build_loss(loss_cfg)
+    return loss, make_loss_fn(loss, aggregation=loss_cfg.aggregation)
 
 
 def _build_policy(cfg: Any) -> Any:
     from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
 
-    settings = PolicySettings.from_run_config(cfg)
-    t = cfg.trainer
-    settings.total_steps = t.total_steps * t.num_epochs * t.num_mini_batches  # optimizer steps (LR schedule)
-    return MegatronPolicy(settings)
+    return MegatronPolicy(PolicySettings.from_run_config(cfg))
 
 
 def _tokenizer(path: str) -> Any:
@@ -500,7 +500,7 @@ def _as_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def run(cfg: Any) -> dict[str, Any]:
-    """Entry used by launch/pretrain_async_rl.py."""
+def run(cfg: Any, *, loss: Any = None) -> dict[str, Any]:
+    """Entry used by launch/pretrain_async_rl.py (which builds and checks the loss first)."""
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
-    return Controller(cfg).run()
+    return Controller(cfg, loss=loss).run()

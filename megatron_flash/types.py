@@ -9,7 +9,7 @@ that produced them. `collate` right-pads a list of samples into the trainer's ba
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -56,6 +56,8 @@ class Group:
     version_start: int  # min over samples: staleness is counted from the oldest token
     time_submitted: float = 0.0
     time_finished: float = 0.0
+    prompt: Any = dataclasses.field(default=None, repr=False, compare=False)
+    """The dataset item it answers (kept so a stale group can be regenerated); not serialised."""
 
     @property
     def rewards(self) -> list[float]:

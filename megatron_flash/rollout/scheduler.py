@@ -100,7 +100,7 @@ class RolloutScheduler:
     # ------------------------------------------------------------------ called from other threads
     def requeue_prompt(self, group: Group, prompt: Any = None) -> None:
         """Thread-safe: put a stale group's prompt back at the front of the queue."""
-        item = prompt if prompt is not None else getattr(group, "prompt", None)
+        item = prompt if prompt is not None else group.prompt
         if item is None:
             return
         if self._loop is not None and self._loop.is_running():
@@ -257,8 +257,7 @@ class RolloutScheduler:
             return
         group = Group(group_id=group_id, prompt_index=getattr(prompt, "index", -1), samples=list(samples),
                       version_start=min(s.version_start for s in samples), time_submitted=t0,
-                      time_finished=time.monotonic())
-        group.prompt = prompt  # type: ignore[attr-defined]  # for regeneration
+                      time_finished=time.monotonic(), prompt=prompt)
         self.stats.groups_finished += 1
         self.stats.group_latency_s += group.time_finished - t0
         if not self.group_filter(group.rewards):

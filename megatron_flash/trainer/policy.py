@@ -59,7 +59,7 @@ class PolicySettings:
     max_seq_len: int = 0  # 0 = no check
     scale: ScaleOptions = dataclasses.field(default_factory=ScaleOptions)
     seed: int = 1234
-    total_steps: int = 100
+    optimizer_steps: int = 100  # of the whole run: the LR schedule's length
     make_vocab_size_divisible_by: int = 128
     use_transformer_engine: str = "auto"
     backend: str = "auto"
@@ -83,7 +83,8 @@ class PolicySettings:
                                context_parallel_size=p.context_parallel_size, recompute=t.recompute,
                                recompute_method=t.recompute_method or "uniform",
                                recompute_num_layers=t.recompute_num_layers or 1),
-            seed=t.seed, total_steps=t.total_steps, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+            seed=t.seed, optimizer_steps=t.total_steps * t.num_epochs * t.num_mini_batches,
+            make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
             use_transformer_engine=cfg.model.use_transformer_engine, backend=p.backend,
             optimizer=cfg.optimizer,
         )
@@ -170,9 +171,9 @@ class MegatronPolicy:
             self.config.grad_scale_func = optimizer.scale_loss
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-            lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=max(s.total_steps, 1),
+            lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=max(s.optimizer_steps, 1),
             lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
-            wd_incr_steps=max(s.total_steps, 1), wd_incr_style="constant",
+            wd_incr_steps=max(s.optimizer_steps, 1), wd_incr_style="constant",
         )
         return optimizer, scheduler
 

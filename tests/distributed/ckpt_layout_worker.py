@@ -48,7 +48,7 @@ def main() -> None:
     p.add_argument("--distributed-optimizer", action="store_true")
     args = p.parse_args()
     policy = MegatronPolicy(PolicySettings(
-        hf_path=args.hf_dir, tp_size=args.tp, pp_size=args.pp, micro_batch_size=2, total_steps=10,
+        hf_path=args.hf_dir, tp_size=args.tp, pp_size=args.pp, micro_batch_size=2, optimizer_steps=10,
         optimizer=OptimizerConfig(name="adam", lr=1e-2, clip_grad=1e6, lr_warmup_steps=3,
                                   use_distributed_optimizer=args.distributed_optimizer),
     ))

@@ -32,7 +32,7 @@ def main() -> None:
     update_norm = (flat_params(clip) - before).norm().item()
 
     sched = MegatronPolicy(PolicySettings(
-        hf_path=hf_dir, total_steps=6, micro_batch_size=8,
+        hf_path=hf_dir, optimizer_steps=6, micro_batch_size=8,
         optimizer=OptimizerConfig(name="sgd", lr=0.1, min_lr=0.01, lr_warmup_steps=2, lr_decay_style="cosine",
                                   clip_grad=1e6)))
     lrs = [sched.train_step(batch, weighted_nll)["lr"] for _ in range(6)]

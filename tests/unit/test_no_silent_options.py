@@ -86,7 +86,7 @@ def megatron_view(overrides: list[str]) -> dict[str, Any]:
         "initialize_model_parallel": (s.tp_size, s.pp_size, s.scale.virtual_pipeline_size,
                                       s.scale.context_parallel_size, s.backend, s.seed),
         "micro_batches": (s.pack_sequences, s.micro_batch_size, s.max_tokens_per_micro_batch, s.max_seq_len),
-        "scheduler": s.total_steps,
+        "scheduler": s.optimizer_steps,
     }
 
 

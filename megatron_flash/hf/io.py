@@ -191,10 +191,16 @@ def export_hf(model: Any, out_dir: str, *, spec: HFModelSpec, layout: "Layout",
             src = os.path.join(source_dir, name)
             if os.path.isfile(src):
                 shutil.copy(src, os.path.join(partial, name))
-        old = out_dir + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.exists(out_dir):
-            os.replace(out_dir, old)
-        os.replace(partial, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(partial, out_dir)
     dist.barrier()
+
+
+def replace_dir(partial: str, out: str) -> None:
+    """Move a finished `partial` directory to `out`, replacing what was there: the old one is renamed
+    aside first and removed last, so `out` is never half-written."""
+    old = out + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(out):
+        os.replace(out, old)
+    os.replace(partial, out)
+    shutil.rmtree(old, ignore_errors=True)

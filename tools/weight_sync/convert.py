@@ -98,19 +98,10 @@ def save_dist_checkpoint(sharded_state_dict: dict, path: str) -> None:
     save(sharded_state_dict, path)
 
 
-def _replace_dir(partial: str, out: str) -> None:
-    old = out + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(out):
-        os.replace(out, old)
-    os.replace(partial, out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def hf_to_mcore(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from megatron_flash.hf.io import TOKENIZER_FILES, load_hf_weights
+    from megatron_flash.hf.io import TOKENIZER_FILES, load_hf_weights, replace_dir
 
     check_hf_dir(args.hf, need_weights=True)
     check_out(args.out)
@@ -141,7 +132,7 @@ def hf_to_mcore(args: argparse.Namespace) -> dict[str, Any]:
                     "vocab_size": spec.vocab_size}
             with open(os.path.join(partial, META_FILE), "w") as f:
                 json.dump(meta, f, indent=2)
-            _replace_dir(partial, out)
+            replace_dir(partial, out)
     except BaseException:
         if layout.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)

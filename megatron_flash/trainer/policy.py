@@ -183,8 +183,7 @@ class MegatronPolicy:
         interleaved = len(self.chunks) > 1  # the interleaved schedule groups micro-batches by PP
         return BatchingOptions(
             pack=s.pack_sequences, micro_batch_size=s.micro_batch_size, max_tokens=s.max_tokens_per_micro_batch,
-            max_seq_len=s.max_seq_len, pad_multiple=s.tp_size * s.scale.context_parallel_size * 2
-            if s.scale.context_parallel_size > 1 else s.tp_size,
+            max_seq_len=s.max_seq_len, pad_multiple=s.tp_size,  # sequence parallel splits rows over TP
             equal_rows=pp > 1, min_micro_batches=pp if interleaved else 1,
             micro_batch_multiple=pp if interleaved else 1,
         )

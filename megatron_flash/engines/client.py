@@ -368,6 +368,16 @@ class EngineClient:
         return parse_generate_reply(reply, url=self.url, rid=rid, input_len=len(body["input_ids"]),
                                     return_logprob=return_logprob)
 
+    async def score(self, batch_input_ids: Sequence[Sequence[int]], *, logprob_start_len: int,
+                    timeout_s: Optional[float] = None) -> Any:
+        """Teacher-forced input logprobs of a batch of sequences: one /generate with
+        `max_new_tokens` 1 from `logprob_start_len`. Returns SGLang's reply as is (a list, one item
+        per sequence, each with `meta_info.input_token_logprobs`); the caller checks it."""
+        body = {"input_ids": [list(ids) for ids in batch_input_ids], "return_logprob": True,
+                "logprob_start_len": logprob_start_len,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}}
+        return await self._call("POST", "/generate", body=body, timeout_s=timeout_s or self.request_timeout_s)
+
     async def generate_n(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], n: int, *,
                          return_logprob: bool = True, rid: Optional[str] = None,
                          timeout_s: Optional[float] = None) -> List[GenerateResult]:

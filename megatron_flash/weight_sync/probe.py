@@ -16,7 +16,7 @@ input positions len(prompt)-1 … end. SGLang always reports null for the first 
 
 from __future__ import annotations
 
-import json
+import asyncio
 from typing import Any, Optional, Sequence
 
 import torch
@@ -35,11 +35,6 @@ def probe_tokens(vocab_size: int, *, num_sequences: int = NUM_SEQUENCES, prompt_
     gen = torch.Generator().manual_seed(seed)
     # Ids 0 and vocab_size-1 avoided: SGLang reports ids ≥ vocab_size-1 as 0 in input logprobs.
     return torch.randint(1, vocab_size - 1, (num_sequences, prompt_len + continuation_len), generator=gen)
-
-
-def generate_body(tokens: torch.Tensor, prompt_len: int) -> dict[str, Any]:
-    return {"input_ids": tokens.tolist(), "return_logprob": True, "logprob_start_len": prompt_len - 1,
-            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}}
 
 
 def parse_continuation_logprobs(reply: Any, tokens: torch.Tensor, prompt_len: int, *, url: str) -> list[list[float]]:
@@ -77,13 +72,38 @@ def logprob_diffs(trainer_logprobs: torch.Tensor, engine_logprobs: Sequence[Sequ
 
 async def engine_logprobs(url: str, tokens: torch.Tensor, prompt_len: int, *, api_key: Optional[str],
                           timeout_s: float) -> list[list[float]]:
-    import aiohttp
+    from megatron_flash.engines.client import EngineClient
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with aiohttp.ClientSession(headers=headers) as session:
-        async with session.post(url.rstrip("/") + "/generate", json=generate_body(tokens, prompt_len),
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            text = await resp.text()
-            if resp.status >= 400:
-                raise ValueError(f"probe: {url}/generate: HTTP {resp.status}: {text[:500]}")
-    return parse_continuation_logprobs(json.loads(text), tokens, prompt_len, url=url)
+    async with EngineClient(url, api_key=api_key, request_timeout_s=timeout_s) as client:
+        reply = await client.score(tokens.tolist(), logprob_start_len=prompt_len - 1)
+    return parse_continuation_logprobs(reply, tokens, prompt_len, url=url)
+
+
+def run_probe(policy: Any, urls: Sequence[str], *, api_key: Optional[str], timeout_s: float,
+              rank0: bool) -> Any:
+    """Trainer (every rank, collective) vs every engine in `urls` (rank 0 asks them). On rank 0:
+    (max, mean, worst url, {url: error} of engines that could not answer), or a message (str) when
+    the probe could not run at all; None on other ranks. The caller broadcasts the result."""
+    tokens = probe_tokens(policy.spec.vocab_size)
+    trainer, _ = policy.compute_logprobs({"tokens": tokens})
+    if not rank0:
+        return None
+
+    async def every() -> list[Any]:
+        return await asyncio.gather(*(engine_logprobs(u, tokens, PROMPT_LEN, api_key=api_key, timeout_s=timeout_s)
+                                      for u in urls), return_exceptions=True)
+    try:
+        worst, lost = (-1.0, -1.0, ""), {}
+        for url, out in zip(urls, asyncio.run(every())):
+            if isinstance(out, Exception):  # e.g. the engine died after its sync
+                lost[url] = f"{type(out).__name__}: {out}"
+                continue
+            if isinstance(out, BaseException):
+                raise out
+            mx, mean = logprob_diffs(trainer, out, PROMPT_LEN)
+            worst = max(worst, (mean, mx, url))
+        if len(lost) == len(urls):
+            return "post-sync probe could not run: no engine answered: " + "; ".join(f"{u}: {m}" for u, m in lost.items())
+        return worst[1], worst[0], worst[2], lost
+    except Exception as error:
+        return f"post-sync probe could not run: {type(error).__name__}: {error}"

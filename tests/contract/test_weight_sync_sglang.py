@@ -16,6 +16,7 @@ silently did nothing would leave the previous test's weights and fail the compar
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -39,12 +40,15 @@ def server(request: pytest.FixtureRequest, tiny_models: dict[str, str], tmp_path
 def test_input_logprobs_for_the_probe(server) -> None:
     """The probe's request (runs first: the server still has the checkpoint's weights): SGLang's
     `logprob_start_len` semantics, equal to an independent teacher-forced forward."""
+    from megatron_flash.engines.client import EngineClient
     from megatron_flash.weight_sync import probe
 
     with open(os.path.join(server.model_dir, "config.json")) as f:
         tokens = probe.probe_tokens(json.load(f)["vocab_size"])
-    status, reply = post(server.url + "/generate", probe.generate_body(tokens, probe.PROMPT_LEN))
-    assert status == 200, reply
+    async def score() -> list:
+        async with EngineClient(server.url) as client:
+            return await client.score(tokens.tolist(), logprob_start_len=probe.PROMPT_LEN - 1)
+    reply = asyncio.run(score())
     first = reply[0]["meta_info"]["input_token_logprobs"]
     assert first[0][0] is None and [e[1] for e in first] == tokens[0, probe.PROMPT_LEN - 1:].tolist()
     engine = probe.parse_continuation_logprobs(reply, tokens, probe.PROMPT_LEN, url=server.url)

@@ -20,8 +20,6 @@ def test_tokens_are_deterministic_and_inside_the_vocabulary() -> None:
     a, b = probe.probe_tokens(48), probe.probe_tokens(48)
     assert torch.equal(a, b) and a.shape == (probe.NUM_SEQUENCES, probe.PROMPT_LEN + probe.CONTINUATION_LEN)
     assert int(a.min()) >= 1 and int(a.max()) <= 46
-    body = probe.generate_body(a, probe.PROMPT_LEN)
-    assert body["logprob_start_len"] == probe.PROMPT_LEN - 1 and body["return_logprob"] is True
 
 
 def test_parse_drops_sglangs_leading_null_and_checks_ids() -> None:

@@ -1,7 +1,7 @@
 """Weight-sync bandwidth: how fast a state gets from the trainer process into an engine's tensors.
 
     python tools/weight_sync/bench.py --transport ipc --size-mb 1024 --bucket-mb 256
-    python tools/weight_sync/bench.py --transport ipc --ipc-mode fresh --size-mb 1024   # bridge.py today
+    python tools/weight_sync/bench.py --transport ipc --ipc-mode fresh --size-mb 1024   # the ipc transport today
     python tools/weight_sync/bench.py --transport broadcast --model-path runs/quickstart/tiny_model
     python tools/weight_sync/bench.py --engine --transport ipc --size-mb 256             # WeightBridge → CPU server
     python tools/weight_sync/bench.py --mode stream-memory --size-mb 256 --bucket-mb 16  # hf_buckets peak memory
@@ -12,7 +12,7 @@ receiver process holds its own preallocated tensors of the same names, as an eng
 = every tensor copied from the sender's state into the receiver's tensors, buckets of --bucket-mb;
 it is timed from the first byte handled to the receiver's last acknowledgement.
 
-  ipc  --ipc-mode fresh   bridge.py's mechanics: each bucket's tensors go through ForkingPickler
+  ipc  --ipc-mode fresh   the ipc transport's mechanics: each bucket's tensors go through ForkingPickler
                           (file_system strategy), which moves every storage into a *new* shared-
                           memory segment; the receiver unpickles (the CPU engine's allowlist
                           unpickler), maps each segment and copies into its tensors.
@@ -62,7 +62,7 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
@@ -472,22 +472,22 @@ def build_policy(model: str) -> Any:
 
 
 def model_bytes(policy: Any) -> int:
-    from megatron_flash.weight_sync.bridge import hf_buckets
+    from megatron_flash.weight_sync.plan import hf_buckets
 
     return sum(t.numel() * t.element_size() for b in hf_buckets(policy, bucket_bytes=1 << 62) for _, t in b)
 
 
-def staged_bridge_class() -> Any:
-    """WeightBridge whose ipc buckets are views of one persistent shared-memory buffer: a prototype
-    of the change proposed for bridge.py (docs/weight_sync.md), same payload format for the engine."""
+def staged_ipc_transport(bridge: Any) -> Any:
+    """An ipc transport whose buckets are views of one persistent shared-memory buffer: a prototype
+    of the change proposed for the ipc transport (docs/weight_sync.md), same payload for the engine."""
     import torch
 
-    from megatron_flash.weight_sync.bridge import WeightBridge
+    from megatron_flash.weight_sync.transports.ipc import IpcTransport
 
-    class StagedBridge(WeightBridge):
+    class StagedIpc(IpcTransport):
         _staging: Any = None
 
-        def _send_ipc(self, bucket: list, *args: Any, **kwargs: Any) -> Any:
+        def send(self, bucket: list, *args: Any, **kwargs: Any) -> Any:
             sizes = [-(-t.numel() * t.element_size() // 64) * 64 for _, t in bucket]
             if self._staging is None or self._staging.numel() < sum(sizes):
                 self._staging = torch.empty(sum(sizes), dtype=torch.uint8).share_memory_().fill_(0)
@@ -497,7 +497,7 @@ def staged_bridge_class() -> Any:
                 views.append((name, view.copy_(t)))
                 offset += n
             try:
-                errors = super()._send_ipc(views, *args, **kwargs)
+                errors = super().send(views, *args, **kwargs)
             except BaseException:
                 errors = {"trainer": "raised"}
                 raise
@@ -506,7 +506,7 @@ def staged_bridge_class() -> Any:
                     self._staging = None
             return errors
 
-    return StagedBridge
+    return StagedIpc(bridge.transport.ctx)
 
 
 def run_engine(args: argparse.Namespace) -> dict[str, Any]:
@@ -527,8 +527,10 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         launcher.__enter__()
         engine_pid = launcher.pids[0]
         staged = args.transport == "ipc" and args.ipc_mode == "staged"
-        bridge = (staged_bridge_class() if staged else WeightBridge)(policy, launcher.urls, transport=args.transport, bucket_mb=args.bucket_mb,
+        bridge = WeightBridge(policy, launcher.urls, transport=args.transport, bucket_mb=args.bucket_mb,
                               disk_dir=os.path.join(tmp, "weights"))
+        if staged:
+            bridge.transport = bridge.executor.transport = staged_ipc_transport(bridge)
         seconds, peaks, engine_peaks, buckets, probe_s, probe_diff = [], [], [], 0, [], None
         for rep in range(args.repeats):
             memcpy.sample()
@@ -551,7 +553,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     median, memcpy_gbps = statistics.median(seconds), memcpy.gbps()
     gbps = nbytes / median / 1e9
     return {"mode": "engine", "transport": args.transport,
-            "ipc_mode": ("staged (prototype subclass)" if staged else "fresh (bridge.py)") if args.transport == "ipc" else None,
+            "ipc_mode": ("staged (prototype subclass)" if staged else "fresh (transports/ipc.py)") if args.transport == "ipc" else None,
             "size_mb": round(nbytes / MB, 2), "bucket_mb": args.bucket_mb,
             "num_buckets": buckets, "repeats": args.repeats, "seconds": round(median, 4),
             "seconds_all": [round(s, 4) for s in seconds], "gbps": round(gbps, 3), "memcpy_gbps": round(memcpy_gbps, 3),
@@ -565,7 +567,7 @@ def run_stream_memory(args: argparse.Namespace) -> dict[str, Any]:
     import gc
 
     from megatron_flash.trainer.distributed import destroy_distributed
-    from megatron_flash.weight_sync.bridge import hf_buckets
+    from megatron_flash.weight_sync.plan import hf_buckets
 
     tmp = tempfile.mkdtemp(prefix="mf_bench_stream_", dir=args.disk_dir or None)
     try:

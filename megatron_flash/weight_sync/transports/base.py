@@ -1,0 +1,67 @@
+"""The one protocol every transport implements; a new transport is one module beside this one.
+
+A *streaming* transport moves each bucket from the PP stage's sender to the engines (`send`), inside
+the begin/end weight-update session the executor opens; the version is then set by one final call.
+A non-streaming transport (disk) moves the whole state by one call per engine (`load`) that also
+carries the version. `prepare` runs on every rank before a sync's first pass; `forget` is told of
+engines that came back (a restarted process is not in any group formed before).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, ClassVar, Protocol, Sequence
+
+from megatron_flash.weight_sync.calls import EngineCalls, Errors
+from megatron_flash.weight_sync.plan import Bucket
+
+
+@dataclasses.dataclass
+class TransportContext:
+    """What a transport may use; built once by the bridge."""
+
+    calls: EngineCalls
+    layout: Any
+    """The trainer rank's parallel layout (pp_rank, pp_size, rank…)."""
+    engine_tp_size: int
+    master_address: str
+    """Address engines reach the trainer's senders at (broadcast rendezvous)."""
+    disk_dir: str
+    export_hf: Callable[[str], None]
+    """Collective HF export of the trainer's weights into a directory (disk)."""
+    in_service: Callable[[], Sequence[str]]
+    """The engines the bridge serves now (teardown messages go only to those)."""
+
+
+class Transport(Protocol):
+    name: ClassVar[str]
+    streams_buckets: ClassVar[bool]
+    serial_stages: ClassVar[bool]
+    """Under PP, stages take turns (a barrier after each stage's buckets)."""
+
+    def prepare(self, version: int) -> None: ...
+
+    def send(self, bucket: Bucket, urls: list[str], step: str) -> Errors: ...
+
+    def load(self, version: int, urls: list[str]) -> Errors: ...
+
+    def forget(self, urls: Sequence[str]) -> None: ...
+
+
+class StreamingTransport:
+    """Defaults for transports that stream buckets."""
+
+    streams_buckets: ClassVar[bool] = True
+    serial_stages: ClassVar[bool] = False
+
+    def __init__(self, ctx: TransportContext) -> None:
+        self.ctx = ctx
+
+    def prepare(self, version: int) -> None:
+        pass
+
+    def load(self, version: int, urls: list[str]) -> Errors:
+        raise NotImplementedError(f"transport {self.name!r} streams buckets; it has no whole-state load")
+
+    def forget(self, urls: Sequence[str]) -> None:
+        pass

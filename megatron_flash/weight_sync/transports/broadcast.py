@@ -1,0 +1,113 @@
+"""broadcast: one gloo/NCCL group per PP stage, {that stage's sender (rank 0)} ∪ {every engine rank}.
+POST /update_weights_from_distributed announces a bucket's names/dtypes/shapes while the sender
+broadcasts each tensor. Stages take turns (the executor's barrier) because an engine serves one update
+at a time: two stages broadcasting at once to two engines that picked them in opposite orders would
+deadlock. The group lives across syncs while its members stay the same."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import uuid
+from typing import Any, ClassVar, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_flash.engines.process_group import destroy_weight_update_group, new_weight_update_group
+from megatron_flash.ports import free_ports
+from megatron_flash.weight_sync.calls import Errors
+from megatron_flash.weight_sync.plan import Bucket
+from megatron_flash.weight_sync.transports.base import StreamingTransport, TransportContext
+
+
+class BroadcastTransport(StreamingTransport):
+    name: ClassVar[str] = "broadcast"
+    serial_stages: ClassVar[bool] = True
+
+    def __init__(self, ctx: TransportContext) -> None:
+        super().__init__(ctx)
+        self._group: Optional[tuple[tuple[str, ...], str, Any]] = None  # this stage's (members, name, group)
+
+    def forget(self, urls: Sequence[str]) -> None:
+        if self._group is not None and any(u in self._group[0] for u in urls):
+            self._drop_group()  # a restarted process is not in the old group: form a new one
+
+    def _stage_group(self, urls: list[str]) -> tuple[str, Any]:
+        """This stage's group with exactly `urls`; a group with other members is torn down first."""
+        members = tuple(urls)
+        if self._group is not None and self._group[0] == members:
+            return self._group[1], self._group[2]
+        self._drop_group()
+        ctx = self.ctx
+        name = f"mf_weights_pp{ctx.layout.pp_rank}_{uuid.uuid4().hex[:8]}"
+        port = free_ports(1)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        world = 1 + len(urls) * ctx.engine_tp_size
+        joins: dict[str, Any] = {}
+
+        def engines_join() -> None:
+            offsets = {u: 1 + i * ctx.engine_tp_size for i, u in enumerate(urls)}
+            joins.update(ctx.calls.fan("init_weights_update_group", urls, lambda c: c.init_weights_update_group(
+                master_address=ctx.master_address, master_port=port, rank_offset=offsets[c.url], world_size=world,
+                group_name=name, backend=backend))[1])
+
+        timeout_s = ctx.calls.timeout_s
+        thread = threading.Thread(target=engines_join, daemon=True)
+        thread.start()
+        group = new_weight_update_group(master_address=ctx.master_address, master_port=port, rank=0,
+                                        world_size=world, group_name=name, backend=backend, timeout_s=timeout_s)
+        thread.join(timeout_s)
+        if joins or thread.is_alive():
+            destroy_weight_update_group(group)
+            raise RuntimeError(f"could not form update group {name}: {joins or 'timeout'}")
+        self._group = (members, name, group)
+        return name, group
+
+    def _drop_group(self) -> None:
+        """Tear down this stage's group on our side and (best effort) on engines still in service."""
+        if self._group is None:
+            return
+        members, name, group = self._group
+        self._group = None
+        destroy_weight_update_group(group)
+        del group
+        gc.collect()  # the last reference gone, our connections close: blocked engines' receives fail now
+        live = [u for u in members if u in self.ctx.in_service()]
+        self.ctx.calls.fan("destroy_weights_update_group", live, lambda c: c.destroy_weights_update_group(name),
+                           timeout_s=self.ctx.calls.alive_timeout_s, retries=0)
+
+    def send(self, bucket: Bucket, urls: list[str], step: str) -> Errors:
+        try:
+            name, group = self._stage_group(urls)
+        except Exception as error:
+            return {u: f"{step}: {error}" for u in urls}
+        body = dict(names=[n for n, _ in bucket], dtypes=[str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                    shapes=[list(t.shape) for _, t in bucket], group_name=name, flush_cache=False, weight_version=None)
+        announced: Errors = {}
+        calls, timeout_s = self.ctx.calls, self.ctx.calls.timeout_s
+
+        def announce() -> None:
+            announced.update(calls.fan(f"{step} (update_weights_from_distributed)", urls,
+                                       lambda c: c.update_weights_from_distributed(**body))[1])
+
+        thread = threading.Thread(target=announce, daemon=True)
+        thread.start()
+        failure = ""
+        try:
+            for _, tensor in bucket:
+                dist.broadcast(tensor, group=group, group_src=0)
+        except Exception as error:  # a member died mid-collective: the group is unusable for all
+            failure = f"{step} (broadcast): {type(error).__name__}: {error}"
+        del group  # outside the except block: no traceback frame keeps the group alive either
+        if failure:
+            self._drop_group()  # closes our connections, so the survivors' receives fail now
+            thread.join(timeout_s)
+            return {u: announced.get(u, failure) for u in urls}
+        thread.join(timeout_s)
+        if thread.is_alive():
+            announced.update({u: f"{step}: no answer within {timeout_s:g}s" for u in urls})
+        if announced:
+            self._drop_group()
+            return {u: announced.get(u, f"{step}: another member of group {name} failed") for u in urls}
+        return {}

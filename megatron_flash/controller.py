@@ -21,7 +21,7 @@ for a full batch of samples with V − start ≤ α (older ones are evicted: dro
 Engines pause only while weights move. α = 0 degenerates to synchronous training.
 
 Modes (trainer.mode): full | rollout_only (groups dumped, nothing trained) | train_only (groups
-replayed from a dump, no engines).
+replayed from a dump, no engines); what each does is the `ModeTraits` table of config/schema.py.
 """
 
 from __future__ import annotations
@@ -31,14 +31,23 @@ import logging
 import os
 import random
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_flash.buffer.sample_buffer import BufferClosed, SampleBuffer
 from megatron_flash.buffer.staleness import StalenessManager, staleness
+from megatron_flash.config.schema import RUN_MODES
 from megatron_flash.types import Group, collate
+
+if TYPE_CHECKING:
+    from megatron_flash.config.schema import RunConfig
+    from megatron_flash.losses import Loss
+    from megatron_flash.rollout.runtime import RolloutRuntime
+    from megatron_flash.tracking import Tracker
+    from megatron_flash.trainer.policy import MegatronPolicy
+    from megatron_flash.weight_sync.bridge import WeightBridge
 
 logger = logging.getLogger(__name__)
 
@@ -49,18 +58,19 @@ class RolloutStopped(RuntimeError):
 
 
 class Controller:
-    def __init__(self, cfg: Any, *, loss: Any = None) -> None:
+    def __init__(self, cfg: "RunConfig", *, loss: Optional["Loss"] = None) -> None:
         self.cfg = cfg
         self._loss = loss
         self.run_dir = cfg.logging.dir
-        self.mode = cfg.trainer.mode
+        self.mode = RUN_MODES[cfg.trainer.mode]
         t = cfg.trainer
         self.batch_size = t.global_batch_size * t.num_mini_batches  # samples per train step
         self.version = 0
-        self.policy: Any = None
-        self.runtime: Any = None
-        self.bridge: Any = None
-        self.tracker: Any = None
+        self.policy: Optional["MegatronPolicy"] = None
+        self.runtime: Optional["RolloutRuntime"] = None
+        self.bridge: Optional["WeightBridge"] = None
+        self.tracker: Optional["Tracker"] = None
+        self.buffer: Optional[SampleBuffer] = None
         self.replay: list[Group] = []
         self.rank = 0
         self.start_step = 0
@@ -107,7 +117,7 @@ class Controller:
         self.loss, self.loss_fn = _loss_fns(cfg.loss, self._loss)
         self.staleness = StalenessManager(alpha=cfg.async_rl.alpha, batch_size=self.batch_size,
                                           extra=cfg.rollout.extra_prompts * cfg.rollout.n_samples_per_prompt)
-        if self.mode != "rollout_only":
+        if self.mode.trains:
             self.policy = _build_policy(cfg)
             self.rank = self.policy.layout.rank
             if self.policy.layout.world_size > 1:  # control messages (batches, stop) go over gloo
@@ -122,10 +132,11 @@ class Controller:
 
         self.tracker = Tracker(self.run_dir, cfg.logging, total_steps=cfg.trainer.total_steps,
                                config=_as_dict(cfg), rank=self.rank)
-        if self.mode == "train_only":
+        if self.mode.replays:
             from megatron_flash.rollout.runtime import read_group_dump
 
             self.replay = read_group_dump(cfg.trainer.replay_path)
+        if not self.mode.generates:
             return
         urls: Any = []
         if self.rank == 0:
@@ -136,7 +147,7 @@ class Controller:
         urls = self._broadcast(urls)
         if isinstance(urls, BaseException):
             raise urls
-        if self.mode == "full":
+        if self.mode.syncs_weights:
             from megatron_flash.weight_sync.bridge import WeightBridge, default_disk_dir
 
             self.bridge = WeightBridge.from_config(
@@ -180,7 +191,7 @@ class Controller:
             dist.all_reduce(flag, group=self._ctrl_group)
             stop = bool(flag.item())
         due = c.save_interval > 0 and (step + 1) % c.save_interval == 0
-        if (due or stop) and c.save_dir and self.mode == "full":
+        if (due or stop) and c.save_dir and self.mode.checkpoints:
             from megatron_flash.trainer import checkpoint as ckpt
 
             t0 = time.monotonic()
@@ -214,8 +225,9 @@ class Controller:
         else:
             dataset = PromptDataset.from_config(cfg.data, self.tokenizer, seed=cfg.trainer.seed)
         self.buffer = SampleBuffer(self.staleness, stale_policy=cfg.async_rl.stale_policy, on_evict=self._on_evict)
-        self.runtime = RolloutRuntime(cfg, run_dir=self.run_dir, staleness=self.staleness, buffer=self.buffer,
-                                      dataset=dataset, model_path=cfg.model.hf_path, tokenizer=self.tokenizer,
+        self.runtime = RolloutRuntime(cfg.engines, cfg.rollout, run_dir=self.run_dir, staleness=self.staleness,
+                                      buffer=self.buffer, dataset=dataset, model_path=cfg.model.hf_path,
+                                      tokenizer=self.tokenizer, dump_groups=self.mode.dumps_groups,
                                       group_runner_factory=runner_factory)
         urls = self.runtime.start_engines()
         logger.info("engines up: %s", urls)
@@ -251,7 +263,7 @@ class Controller:
         payload: Any = None
         if self.rank == 0:
             try:
-                if self.mode == "train_only":
+                if self.mode.replays:
                     payload = self._replay_batch()
                 else:
                     payload = self.buffer.take_batch(self.batch_size, timeout_s=self.cfg.async_rl.batch_timeout_s)
@@ -284,7 +296,7 @@ class Controller:
                                  std_normalize=self.cfg.loss.advantage_std_normalize)
         batch = collate(samples, pad_id=self.pad_id, advantages=adv,
                         pad_to_multiple=self.cfg.parallel.tensor_model_parallel_size)
-        if self.mode == "rollout_only":
+        if not self.mode.trains:
             return batch
         batch["staleness"] = torch.tensor([staleness(self.version, s.version_start) for s in samples])
         if self.loss.needs_proximal:  # π_prox = the weights this step starts from (version V)
@@ -294,7 +306,7 @@ class Controller:
         return batch
 
     def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        if self.mode == "rollout_only":
+        if not self.mode.trains:
             return {}
         t, n = self.cfg.trainer, self.cfg.rollout.n_samples_per_prompt
         size = t.global_batch_size
@@ -320,7 +332,7 @@ class Controller:
         """engines.colocate: the engines give their memory back before the trainer computes (they take
         it back inside the next push: weights, then the new values, then the KV cache)."""
         self._release_metrics = {}
-        if self.bridge is None or not self.cfg.engines.colocate:
+        if self.bridge is None or self.bridge.memory is None:
             return
         t0 = time.monotonic()
         errors = self.bridge.release_memory()
@@ -485,7 +497,8 @@ def _loss_fns(loss_cfg: Any, loss: Any) -> tuple[Any, Any]:
 def _build_policy(cfg: Any) -> Any:
     from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
 
-    return MegatronPolicy(PolicySettings.from_run_config(cfg))
+    return MegatronPolicy(PolicySettings.from_sections(model=cfg.model, parallel=cfg.parallel, trainer=cfg.trainer,
+                                                       optimizer=cfg.optimizer))
 
 
 def _tokenizer(path: str) -> Any:

@@ -24,7 +24,6 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 ADVANTAGES = ("grpo", "rloo", "reinforce")
 KL_ESTIMATORS = ("k1", "k3")
 DYNAMIC_FILTERS = ("none", "nonzero_std")  # built-ins; "module:function" names a user filter
-RUN_MODES = ("full", "rollout_only", "train_only")
 PAUSE_MODES = ("abort", "retract", "in_place")
 STALE_POLICIES = ("drop", "regenerate")
 ENGINE_BACKENDS = ("cpu", "sglang", "attach")
@@ -32,6 +31,37 @@ WEIGHT_TRANSPORTS = ("ipc", "broadcast", "disk")
 WANDB_MODES = ("offline", "online", "disabled")
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
+
+
+
+@dataclass(frozen=True)
+class ModeTraits:
+    """What a run mode (`trainer.mode`) does; every mode-specific choice of the controller reads one
+    of these, so a mode is defined here and nowhere else."""
+
+    trains: bool
+    """A Megatron policy is built and trained."""
+    generates: bool
+    """Engines are started and the rollout side runs."""
+    syncs_weights: bool
+    """Trained weights are pushed to the engines (needs both of the above)."""
+    replays: bool
+    """Batches come from trainer.replay_path instead of the rollout buffer."""
+    dumps_groups: bool
+    """Every finished group is written to rollout.dump_path (or {logging.dir}/groups.jsonl)."""
+    checkpoints: bool
+    """checkpoint.save_interval saves the policy with the rollout state (a replay has no rollout
+    state to resume, a rollout-only run no policy)."""
+
+
+RUN_MODES: Dict[str, ModeTraits] = {
+    "full": ModeTraits(trains=True, generates=True, syncs_weights=True, replays=False, dumps_groups=False,
+                       checkpoints=True),
+    "rollout_only": ModeTraits(trains=False, generates=True, syncs_weights=False, replays=False, dumps_groups=True,
+                               checkpoints=False),
+    "train_only": ModeTraits(trains=True, generates=False, syncs_weights=False, replays=True, dumps_groups=False,
+                             checkpoints=False),
+}
 
 # SGLang flags that megatron-flash sets itself from `engines.*`; repeating them in
 # `engines.server_args` would give two sources of truth for one value.
@@ -345,7 +375,7 @@ class AsyncConfig(_Section):
     """What happens to a sample that exceeds alpha: drop | regenerate (re-queue its prompt)."""
     batch_timeout_s: float = 600.0
     """The trainer stops with an error (after saving what it can) when no full batch arrives for
-    this long; also the deadline after which failing engines end the run."""
+    this long."""
 
     def validate(self) -> None:
         self._at_least("alpha", 0)
@@ -392,6 +422,9 @@ class EngineConfig(_Section):
     synced to the trainer's weights at the next push before they serve; 0 = never. Attached engines
     are not started here (the multi-node template's launch/slurm/engine_loop.sh restarts them on their
     node); they are watched instead (attach_probe_*)."""
+    down_timeout_s: float = 600.0
+    """The rollout side stops the run with an error (every rank saves what training reached) when no
+    engine request has succeeded for this long, e.g. every engine down and none restarted."""
     attach_probe_interval_s: float = 2.0
     """backend=attach: seconds between /health probes of each attached engine."""
     attach_probe_failures: int = 3
@@ -408,6 +441,7 @@ class EngineConfig(_Section):
         self._at_least("max_inflight_per_engine", 1)
         self._positive("startup_timeout_s")
         self._positive("request_timeout_s")
+        self._positive("down_timeout_s")
         self._require(bool(self.host), "host", "must be a non-empty host name")
         self._require(1 <= self.base_port and self.base_port + self.num_engines - 1 <= 65535,
                       "base_port", f"must leave room for engines.num_engines={self.num_engines} ports "

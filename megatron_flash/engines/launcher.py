@@ -214,9 +214,12 @@ class EngineLauncher:
     @classmethod
     def from_config(cls, config: Any, *, model_path: str, run_dir: str, **kwargs: Any) -> "EngineLauncher":
         """From an ``EngineConfig``; kwargs (command, env, first_gpu, stop_grace_s) pass through."""
+        server_args = dict(config.server_args)
+        if config.colocate and config.backend == "sglang":
+            server_args.setdefault("enable-memory-saver", True)  # else releasing memory frees nothing
         return cls(backend=config.backend, model_path=model_path, num_engines=config.num_engines,
                    urls=config.urls, host=config.host, base_port=config.base_port, tp_size=config.tp_size,
-                   gpu_ids=config.gpu_ids, server_args=config.server_args, api_key=config.api_key,
+                   gpu_ids=config.gpu_ids, server_args=server_args, api_key=config.api_key,
                    startup_timeout_s=config.startup_timeout_s, run_dir=run_dir, **kwargs)
 
     # -- plan -----------------------------------------------------------------------------------

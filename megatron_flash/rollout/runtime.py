@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import threading
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_flash.buffer.sample_buffer import SampleBuffer
 from megatron_flash.buffer.staleness import StalenessManager
@@ -19,6 +19,9 @@ from megatron_flash.rollout.filters import get_filter
 from megatron_flash.rollout.group_runner import GroupRunner, GroupRunnerFactory
 from megatron_flash.rollout.scheduler import RolloutScheduler, RolloutStats, SchedulerSettings
 from megatron_flash.types import Group
+
+if TYPE_CHECKING:
+    from megatron_flash.config.schema import EngineConfig, RolloutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +80,17 @@ def read_group_dump(path: str) -> list[Group]:
 
 
 class RolloutRuntime:
-    """Start with `start()` (blocks until engines are healthy), stop with `stop()`."""
+    """`start_engines()` (blocks until they are healthy), then `start_rollout()`; `stop()`.
 
-    def __init__(self, cfg: Any, *, run_dir: str, staleness: StalenessManager, buffer: SampleBuffer,
-                 dataset: Any, tokenizer: Any, model_path: str,
-                 group_runner_factory: Optional[GroupRunnerFactory] = None) -> None:
-        self.cfg, self.run_dir, self.staleness, self.buffer = cfg, run_dir, staleness, buffer
+    Gets the `engines` and `rollout` sections only; `dump_groups` writes every finished group to
+    rollout.dump_path (or {run_dir}/groups.jsonl) even when that is not set."""
+
+    def __init__(self, engines: "EngineConfig", rollout: "RolloutConfig", *, run_dir: str,
+                 staleness: StalenessManager, buffer: SampleBuffer, dataset: Any, tokenizer: Any, model_path: str,
+                 dump_groups: bool = False, group_runner_factory: Optional[GroupRunnerFactory] = None) -> None:
+        self.engines_cfg, self.rollout_cfg = engines, rollout
+        self.run_dir, self.staleness, self.buffer = run_dir, staleness, buffer
+        self.dump_groups = dump_groups
         self.group_runner_factory = group_runner_factory
         self.dataset, self.tokenizer, self.model_path = dataset, tokenizer, model_path
         self.decode: Callable[[list[int]], str] = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
@@ -104,13 +112,11 @@ class RolloutRuntime:
         from megatron_flash.engines.launcher import EngineLauncher
 
         # Launched GPU engines default to the GPUs after this node's trainer ranks (engines.gpu_ids).
-        first_gpu = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) if self.cfg.engines.backend == "sglang" else 0
-        self.launcher = EngineLauncher.from_config(self.cfg.engines, model_path=self.model_path, run_dir=self.run_dir,
+        eng = self.engines_cfg
+        first_gpu = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) if eng.backend == "sglang" else 0
+        self.launcher = EngineLauncher.from_config(eng, model_path=self.model_path, run_dir=self.run_dir,
                                                    first_gpu=first_gpu)
-        if self.cfg.engines.colocate and self.cfg.engines.backend == "sglang":
-            self.launcher.server_args.setdefault("enable-memory-saver", True)  # else release frees nothing
         self.urls = self.launcher.start()
-        eng = self.cfg.engines
         if eng.backend == "attach":  # started elsewhere: watch /health, re-admit when it answers again
             self.launcher.supervise(max_restarts=0, on_down=self.engine_down, interval_s=eng.attach_probe_interval_s,
                                     down_after=eng.attach_probe_failures)
@@ -137,8 +143,8 @@ class RolloutRuntime:
         """Start the rollout thread (after the engines hold the right weights); `restore` is a
         `snapshot()` from a checkpoint: the scheduler continues from it before admitting anything."""
         self._restore = restore
-        if self.cfg.rollout.dump_path or self.cfg.trainer.mode == "rollout_only":
-            self.dump = GroupDump(self.cfg.rollout.dump_path or os.path.join(self.run_dir, "groups.jsonl"))
+        if self.rollout_cfg.dump_path or self.dump_groups:
+            self.dump = GroupDump(self.rollout_cfg.dump_path or os.path.join(self.run_dir, "groups.jsonl"))
         self._thread = threading.Thread(target=self._thread_main, name="rollout", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -159,18 +165,18 @@ class RolloutRuntime:
         from megatron_flash.rewards import RewardPool
         from megatron_flash.rollout.proxy import LLMProxy
 
-        cfg = self.cfg
+        r = self.rollout_cfg
         self._loop = asyncio.get_running_loop()
-        reward_pool = RewardPool(cfg.rollout.reward, num_workers=cfg.rollout.reward_workers)
+        reward_pool = RewardPool(r.reward, num_workers=r.reward_workers)
         try:
-            group_filter = get_filter(cfg.rollout.dynamic_filter)
-            async with LLMProxy.from_config(cfg.engines, self.urls) as proxy:
+            group_filter = get_filter(r.dynamic_filter)
+            async with LLMProxy.from_config(self.engines_cfg, self.urls) as proxy:
                 self._proxy = proxy
                 settings = SchedulerSettings(
-                    n_samples_per_prompt=cfg.rollout.n_samples_per_prompt, sampling_params=sampling_params(cfg.rollout),
-                    max_new_tokens=cfg.rollout.max_new_tokens, prompt_replication=cfg.rollout.prompt_replication,
-                    replication_chunk=cfg.rollout.replication_chunk,
-                    max_resumes=cfg.rollout.max_resumes, engine_down_deadline_s=cfg.async_rl.batch_timeout_s)
+                    n_samples_per_prompt=r.n_samples_per_prompt, sampling_params=sampling_params(r),
+                    max_new_tokens=r.max_new_tokens, prompt_replication=r.prompt_replication,
+                    replication_chunk=r.replication_chunk, max_resumes=r.max_resumes,
+                    engine_down_deadline_s=self.engines_cfg.down_timeout_s)
                 self.scheduler = RolloutScheduler(
                     dataset=self.dataset, proxy=proxy, reward_pool=reward_pool, group_filter=group_filter,
                     buffer=self.buffer, staleness=self.staleness, settings=settings, decode=self.decode)

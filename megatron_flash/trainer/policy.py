@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_flash.config.schema import OptimizerConfig
+from megatron_flash.config.schema import ModelConfig, OptimizerConfig, ParallelConfig, TrainerConfig
 from megatron_flash.trainer.distributed import Layout, init_distributed
 from megatron_flash.hf.io import export_hf, load_hf_weights
 from megatron_flash.trainer.logprobs import vocab_parallel_logprobs
@@ -71,11 +71,13 @@ class PolicySettings:
             raise ValueError("trainer.max_tokens_per_micro_batch needs trainer.pack_sequences=true")
 
     @classmethod
-    def from_run_config(cls, cfg: Any) -> "PolicySettings":
-        t, p = cfg.trainer, cfg.parallel
+    def from_sections(cls, *, model: "ModelConfig", parallel: "ParallelConfig", trainer: "TrainerConfig",
+                      optimizer: OptimizerConfig) -> "PolicySettings":
+        """From the four config sections the policy reads (never the whole tree)."""
+        t, p = trainer, parallel
         return cls(
-            hf_path=cfg.model.hf_path, tp_size=p.tensor_model_parallel_size,
-            pp_size=p.pipeline_model_parallel_size, dtype=cfg.model.dtype,
+            hf_path=model.hf_path, tp_size=p.tensor_model_parallel_size,
+            pp_size=p.pipeline_model_parallel_size, dtype=model.dtype,
             micro_batch_size=t.micro_batch_size, pack_sequences=t.pack_sequences,
             max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, max_seq_len=t.max_seq_len,
             scale=ScaleOptions(sequence_parallel=p.sequence_parallel,
@@ -84,9 +86,9 @@ class PolicySettings:
                                recompute_method=t.recompute_method or "uniform",
                                recompute_num_layers=t.recompute_num_layers or 1),
             seed=t.seed, optimizer_steps=t.total_steps * t.num_epochs * t.num_mini_batches,
-            make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-            use_transformer_engine=cfg.model.use_transformer_engine, backend=p.backend,
-            optimizer=cfg.optimizer,
+            make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
+            use_transformer_engine=model.use_transformer_engine, backend=p.backend,
+            optimizer=optimizer,
         )
 
 

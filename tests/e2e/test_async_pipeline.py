@@ -129,7 +129,7 @@ def test_engines_down_stops_with_a_clear_error_and_saves(tiny_models, tmp_path) 
     server = launch_engine("cpu", tiny_models["llama"], str(tmp_path))
     run_dir = str(tmp_path / "down")
     args = small_run(tiny_models["llama"], run_dir, "engines.backend=attach", f"engines.urls=[{server.url}]",
-                     "trainer.total_steps=500", "async_rl.batch_timeout_s=10")
+                     "trainer.total_steps=500", "engines.down_timeout_s=10")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
     proc = subprocess.Popen([sys.executable] + args, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

@@ -76,7 +76,7 @@ ACCEPTED = {
 def megatron_view(overrides: list[str]) -> dict[str, Any]:
     """What the trainer would hand to Megatron for this config (raises ValueError on a rejection)."""
     cfg = load_config(None, BASE + overrides)
-    s = PolicySettings.from_run_config(cfg)
+    s = PolicySettings.from_sections(model=cfg.model, parallel=cfg.parallel, trainer=cfg.trainer, optimizer=cfg.optimizer)
     validate_layout(SPEC, tp_size=s.tp_size, pp_size=s.pp_size, vpp_size=s.scale.virtual_pipeline_size)
     uses_te = use_te(s.use_transformer_engine)
     check_scale_options(s.scale, optimizer=s.optimizer, uses_te=uses_te)

@@ -132,6 +132,17 @@ def test_cpu_backend_and_config(tmp_path: Path) -> None:
         EngineLauncher(backend="vllm", model_path="/m")
 
 
+def test_colocated_sglang_engines_get_the_memory_saver(tmp_path: Path) -> None:
+    """Colocated SGLang frees nothing on /release_memory_occupation without --enable-memory-saver;
+    the config's own server_args are not modified, and a CPU engine gets no such flag."""
+    config = EngineConfig(backend="sglang", colocate=True, server_args={"mem-fraction-static": 0.5})
+    argv = EngineLauncher.from_config(config, model_path="/m", run_dir=str(tmp_path)).specs()[0].argv
+    assert argv[-3:] == ("--mem-fraction-static", "0.5", "--enable-memory-saver")
+    assert config.server_args == {"mem-fraction-static": 0.5}
+    cpu = EngineLauncher.from_config(EngineConfig(backend="cpu", colocate=True), model_path="/m", run_dir=str(tmp_path))
+    assert "--enable-memory-saver" not in cpu.specs()[0].argv
+
+
 # -- processes -----------------------------------------------------------------------------------
 def test_start_writes_logs_and_stop_leaves_no_process(tmp_path: Path, dummy: EngineCommand) -> None:
     base = free_ports(2)

@@ -1,4 +1,4 @@
-"""How many GPUs for rollout? Predict sync vs async step time over train/rollout splits (issue 9).
+"""How many GPUs for rollout? Predict sync vs async step time over train/rollout splits.
 
     python tools/plan_resources.py --params 7e9 --layers 28 --hidden 3584 --kv-heads 4 --gpu H100 \\
         --total-gpus 40 --batch-size 512 --group-size 8 --lengths lognormal --len-mean 4000 --len-sigma 1.0

@@ -1,4 +1,4 @@
-"""Planner validation (issue 9): predict the CPU benchmarks from measured inputs, compare with what they measured.
+"""Planner validation: predict the CPU benchmarks from measured inputs, compare with what they measured.
 
     python tools/validate_planner.py                      # ~1 min on the 2-core box; last line JSON
     python tools/validate_planner.py --runs runs          # measured outputs from runs/bench_*/*/metrics.jsonl

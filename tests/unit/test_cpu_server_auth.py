@@ -1,4 +1,4 @@
-"""The CPU engine server's refusals (issue 8, security defaults), checked on the ASGI app in process:
+"""The CPU engine server's refusals, checked on the ASGI app in process:
 a token as SGLang's --api-key (`Authorization: Bearer KEY`, 401 without it), and weight endpoints
 refused (403) on a non-loopback host without a key. Requests that pass reach the endpoints."""
 

@@ -45,7 +45,7 @@ def hf_weights(path: str) -> dict:
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny_models")
     out = {}
-    for arch in ("llama", "qwen2", "qwen3"):
+    for arch in ("llama", "qwen2", "qwen3", "qwen3_moe"):
         path = str(root / arch)
         run_tool(["tools/make_tiny_model.py", "--out", path, "--arch", arch, "--seed", "0"])
         out[arch] = path

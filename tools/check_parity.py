@@ -3,6 +3,8 @@
     python tools/check_parity.py --hf-dir runs/tiny_model                       # TP1 × PP1
     torchrun --nproc-per-node 4 tools/check_parity.py --hf-dir DIR --tp 2 --pp 2
     python tools/check_parity.py --hf-dir DIR --pack                            # packed samples
+    torchrun --nproc-per-node 2 tools/check_parity.py --hf-dir MOE_DIR --ep 2      # experts split over 2 ranks
+    torchrun --nproc-per-node 4 tools/check_parity.py --hf-dir MOE_DIR --tp 2 --sp --ep 2   # MoE with TP needs SP
     torchrun --nproc-per-node 2 tools/check_parity.py --hf-dir DIR --pp 2 --vpp 2   # interleaved
 
 Loads the checkpoint into Megatron with the given layout and into transformers (on rank 0), runs
@@ -39,6 +41,9 @@ def main() -> int:
     parser.add_argument("--tol", type=float, default=1e-4)
     parser.add_argument("--pack", action="store_true", help="samples of different lengths packed in one row")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per PP rank")
+    parser.add_argument("--sp", action="store_true", help="sequence parallel (needs --tp > 1)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    parser.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (default: --tp)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
 
@@ -46,14 +51,15 @@ def main() -> int:
     import torch.distributed as dist
 
     from megatron_flash.trainer.distributed import destroy_distributed
-    from megatron_flash.trainer.model_builder import ScaleOptions
+    from megatron_flash.trainer.model_builder import MoEOptions, ScaleOptions
     from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
     from megatron_flash.hf.spec import CheckpointError
 
     try:
         policy = MegatronPolicy(PolicySettings(hf_path=args.hf_dir, tp_size=args.tp, pp_size=args.pp,
                                                dtype=args.dtype, micro_batch_size=args.batch, pack_sequences=args.pack,
-                                               scale=ScaleOptions(virtual_pipeline_size=args.vpp)))
+                                               scale=ScaleOptions(virtual_pipeline_size=args.vpp, sequence_parallel=args.sp),
+                                               moe=MoEOptions(ep_size=args.ep, etp_size=args.etp)))
     except (CheckpointError, ValueError) as e:
         print(f"check_parity: {e}", file=sys.stderr)
         return 2
@@ -80,7 +86,7 @@ def main() -> int:
         ok = logit_diff <= args.tol and lp_diff <= args.tol
         code = 0 if ok else 1
         print(json.dumps({"hf_dir": args.hf_dir, "family": policy.spec.family, "tp": args.tp, "pp": args.pp,
-                          "vpp": args.vpp, "pack": args.pack, "lengths": lengths.tolist(), "dtype": args.dtype,
+                          "vpp": args.vpp, "sp": args.sp, "ep": args.ep, "etp": args.etp, "pack": args.pack, "lengths": lengths.tolist(), "dtype": args.dtype,
                           "max_abs_logit_diff": logit_diff, "max_abs_logprob_diff": lp_diff, "tol": args.tol,
                           "ok": ok}))
     destroy_distributed()

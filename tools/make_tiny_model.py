@@ -2,6 +2,7 @@
 
     python tools/make_tiny_model.py --out runs/tiny_model                     # llama, seed 0
     python tools/make_tiny_model.py --out /tmp/q3 --arch qwen3 --seed 3
+    python tools/make_tiny_model.py --out /tmp/moe --arch qwen3_moe           # 8 experts, top-2
     python tools/make_tiny_model.py --out /tmp/big --num-layers 4 --hidden-size 256   # for benchmarks
 
 The tokenizer is a character-level BPE model trained with the `tokenizers` library on the symbols of
@@ -22,7 +23,7 @@ import sys
 import tempfile
 from typing import Any
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 ALPHABET = list("0123456789abcdefghijklmnopqrstuvwxyz:=+-,|? ")
 
@@ -71,8 +72,14 @@ def hf_config(*, arch: str, vocab_size: int, tie: bool, num_layers: int = 2, hid
                 "attention_bias": False, "mlp_bias": False}
     if arch == "qwen2":
         return {**common, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
-    return {**common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-            "head_dim": hidden_size // 4, "attention_bias": False}
+    if arch == "qwen3":
+        return {**common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                "head_dim": hidden_size // 4, "attention_bias": False}
+    # Every layer sparse (as Qwen3-30B-A3B): 8 experts, top-2, probabilities renormalised over the top-k.
+    return {**common, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "head_dim": hidden_size // 4, "attention_bias": False, "num_experts": 8, "num_experts_per_tok": 2,
+            "moe_intermediate_size": hidden_size, "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "output_router_logits": False}
 
 
 def make_model(*, out: str, arch: str, seed: int, tie: bool | None, num_layers: int = 2,

@@ -31,6 +31,7 @@ WEIGHT_TRANSPORTS = ("ipc", "broadcast", "disk")
 WANDB_MODES = ("offline", "online", "disabled")
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
+MOE_DISPATCHERS = ("allgather", "alltoall")
 
 
 
@@ -115,6 +116,12 @@ class ModelConfig(_Section):
     """Pad the embedding/output vocabulary to a multiple of this (times TP size), in tokens."""
     use_transformer_engine: str = "auto"
     """Megatron layer spec: auto (Transformer Engine when importable and CUDA present)|true|false."""
+    moe_aux_loss_coeff: Optional[float] = None
+    """MoE models: coefficient of the load-balancing (aux) loss added to the policy loss; null = the
+    checkpoint's router_aux_loss_coef. Rejected for a dense model."""
+    moe_token_dispatcher: str = "allgather"
+    """MoE models: how tokens reach their experts across expert-parallel ranks: allgather (works on
+    gloo/CPU) | alltoall (NCCL)."""
 
     def __post_init__(self) -> None:
         # YAML `true`/`false` arrive as bools, which OmegaConf turns into 'True'/'False'.
@@ -124,6 +131,9 @@ class ModelConfig(_Section):
         self._one_of("dtype", DTYPES)
         self._at_least("make_vocab_size_divisible_by", 1)
         self._one_of("use_transformer_engine", TRI_STATE)
+        self._one_of("moe_token_dispatcher", MOE_DISPATCHERS)
+        if self.moe_aux_loss_coeff is not None:
+            self._at_least("moe_aux_loss_coeff", 0.0)
 
 
 @dataclass
@@ -145,11 +155,20 @@ class ParallelConfig(_Section):
     context_parallel_size: int = 1
     """Context parallelism: each sequence split over this many ranks. Megatron-Core implements it in
     Transformer Engine attention only, so > 1 needs TE (and CUDA); world = TP × PP × CP × DP."""
+    expert_model_parallel_size: int = 1
+    """MoE models: the experts of every MoE layer are split over this many ranks (EP). The number of
+    experts must divide by it, and the world size by expert_tensor_parallel_size × EP × PP."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """MoE models: each expert's weights are split over this many ranks (ETP); null = the
+    tensor-parallel size (Megatron's default). The expert FFN size must divide by it."""
 
     def validate(self) -> None:
         self._at_least("tensor_model_parallel_size", 1)
         self._at_least("pipeline_model_parallel_size", 1)
         self._at_least("context_parallel_size", 1)
+        self._at_least("expert_model_parallel_size", 1)
+        if self.expert_tensor_parallel_size is not None:
+            self._at_least("expert_tensor_parallel_size", 1)
         self._one_of("backend", DIST_BACKENDS)
         if self.sequence_parallel:
             self._require(self.tensor_model_parallel_size > 1, "sequence_parallel",

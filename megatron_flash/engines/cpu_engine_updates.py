@@ -13,6 +13,7 @@ import asyncio
 import gc
 import logging
 import os
+import re
 from typing import Any, Callable
 
 import torch
@@ -214,14 +215,17 @@ class EngineUpdates:
             raise ValueError("the weights are released (release_memory_occupation): "
                              "resume_memory_occupation(tags=['weights']) before updating them")
         params = self.model.state_dict(keep_vars=True)  # includes tied aliases such as lm_head.weight
+        targets = []
         for name, tensor in named:
-            if name not in params:
+            target = checkpoint_param(params, name)
+            if target is None:
                 raise ValueError(f"unknown parameter {name!r}")
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(f"shape of {name}: got {tuple(tensor.shape)}, model has {tuple(params[name].shape)}")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(f"shape of {name}: got {tuple(tensor.shape)}, model has {tuple(target.shape)}")
+            targets.append(target)
         with torch.no_grad():
-            for name, tensor in named:
-                params[name].data.copy_(tensor.to(dtype=params[name].dtype, device=params[name].device))
+            for target, (_, tensor) in zip(targets, named):
+                target.copy_(tensor.to(dtype=target.dtype, device=target.device))
 
     def load_from_disk(self, model_path: str, load_format: str | None) -> str:
         self.load_named_tensors(weight_payloads.read_disk_weights(model_path, load_format))
@@ -258,3 +262,30 @@ class EngineUpdates:
         self.load_named_tensors(weight_payloads.receive_broadcast(
             self._groups[group_name], names=names, dtypes=dtypes, shapes=shapes, load_format=load_format))
         return "Succeeded to update parameter online."
+
+
+_EXPERT_WEIGHT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def checkpoint_param(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The served model's storage for a tensor named as in the HF checkpoint, or None.
+
+    Checkpoints (and the trainer) name each expert's weights apart (`mlp.experts.{e}.gate_proj.weight`);
+    transformers keeps a MoE layer's experts fused in memory (`experts.gate_up_proj` [E, 2·I, H] with
+    gate rows first, `experts.down_proj` [E, H, I]), so such a name resolves to a view of that expert's
+    slice."""
+    if name in params:
+        return params[name].data
+    m = _EXPERT_WEIGHT.match(name)
+    if m is None:
+        return None
+    proj = m.group("proj")
+    fused = params.get(m.group("experts") + (".down_proj" if proj == "down_proj" else ".gate_up_proj"))
+    index = int(m.group("index"))
+    if fused is None or fused.dim() != 3 or index >= fused.shape[0]:
+        return None
+    expert = fused.data[index]
+    if proj == "down_proj":
+        return expert
+    half = expert.shape[0] // 2
+    return expert[:half] if proj == "gate_proj" else expert[half:]

@@ -7,6 +7,11 @@ tensors (vocab padding stripped); the stage's (TP 0, DP 0) rank writes one safet
 global rank 0 writes the index, config and tokenizer, then renames the folder into place — so a
 crash leaves no half-written checkpoint at the destination. Multi-node export needs `out_dir` on a
 shared filesystem.
+
+MoE experts are split over expert-parallel ranks (each holds num_experts / EP of them) and each
+expert over the expert-tensor-parallel group. An expert's tensors are gathered over that group only
+and leave from the rank that owns them (expert-TP 0, expert-DP 0 of its EP rank): nothing gathers
+every expert on one rank. Under EP each stage writes one file per EP rank.
 """
 
 from __future__ import annotations
@@ -106,6 +111,28 @@ def layer_offset(chunk: Any) -> int:
     return get_transformer_layer_offset(inner.config, vp_stage=inner.vp_stage)
 
 
+def expert_offset(spec: HFModelSpec, layout: "Layout") -> int:
+    """Global index of this expert-parallel rank's first expert."""
+    return 0 if spec.moe is None else layout.ep_rank * (spec.moe.num_experts // layout.ep_size)
+
+
+def _shard_rank(rule: Any, layout: "Layout") -> tuple[int, int]:
+    """(rank, size) of the group a parameter is split over: expert-TP for experts, else TP."""
+    return (layout.etp_rank, layout.etp_size) if rule.is_expert else (layout.tp_rank, layout.tp_size)
+
+
+def owns(rule: Any, layout: "Layout") -> bool:
+    """Is this rank the one that hands out the parameter's full HF tensors (export, weight sync)?"""
+    if rule.is_expert:
+        return layout.etp_rank == 0 and layout.edp_rank == 0
+    return layout.tp_rank == 0 and layout.dp_rank == 0
+
+
+def _resolve(name_map: Any, name: str, offset: int, spec: HFModelSpec, layout: "Layout") -> tuple[Any, tuple[str, ...]]:
+    return name_map.resolve(name, layer_offset=offset, tied=spec.tie_word_embeddings,
+                            expert_offset=expert_offset(spec, layout))
+
+
 def load_hf_weights(model: Any, model_dir: str, *, spec: HFModelSpec, layout: "Layout",
                     padded_vocab_size: int) -> list[str]:
     """Copy this rank's shard of every parameter (of a model or its chunks) from the HF checkpoint.
@@ -114,9 +141,10 @@ def load_hf_weights(model: Any, model_dir: str, *, spec: HFModelSpec, layout: "L
     name_map = name_map_for(spec)
     used: list[str] = []
     for offset, name, param in _chunk_params(model):
-        rule, hf_names = name_map.resolve(name, layer_offset=offset, tied=spec.tie_word_embeddings)
-        shard = hf_to_shard(rule, hf_names, reader, spec=spec, tp_rank=layout.tp_rank,
-                            tp_size=layout.tp_size, padded_vocab_size=padded_vocab_size)
+        rule, hf_names = _resolve(name_map, name, offset, spec, layout)
+        rank, size = _shard_rank(rule, layout)
+        shard = hf_to_shard(rule, hf_names, reader, spec=spec, tp_rank=rank, tp_size=size,
+                            padded_vocab_size=padded_vocab_size)
         if tuple(shard.shape) != tuple(param.shape):
             raise CheckpointError(
                 f"{model_dir}: {', '.join(hf_names)} gives shape {tuple(shard.shape)} for Megatron "
@@ -128,26 +156,59 @@ def load_hf_weights(model: Any, model_dir: str, *, spec: HFModelSpec, layout: "L
     return used
 
 
-def _gather_tp(tensor: torch.Tensor, layout: "Layout") -> list[torch.Tensor]:
-    if layout.tp_size == 1:
+def _gather(tensor: torch.Tensor, rule: Any, layout: "Layout") -> list[torch.Tensor]:
+    """Every shard of a parameter, in rank order, over the group it is split over."""
+    _, size = _shard_rank(rule, layout)
+    if size == 1:
         return [tensor]
     from megatron.core import parallel_state as ps
 
-    parts = [torch.empty_like(tensor) for _ in range(layout.tp_size)]
-    dist.all_gather(parts, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
+    group = ps.get_expert_tensor_parallel_group() if rule.is_expert else ps.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
     return parts
 
 
-def stage_hf_tensors(model: Any, *, spec: HFModelSpec, layout: "Layout") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for this PP stage's parameters (every chunk of it under
-    interleaving); every TP rank must iterate."""
+def stage_hf_tensors(model: Any, *, spec: HFModelSpec, layout: "Layout",
+                     gather_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) of this PP stage's parameters (every chunk of it under
+    interleaving) that this rank owns (`owns`): the stage's TP 0 / DP 0 rank the dense ones, each EP
+    rank's expert-TP 0 / expert-DP 0 rank its experts. `gather_experts`: every expert goes to the
+    stage's dense owner instead (all-gathered over the EP group). Every rank of the stage must
+    iterate (the shards are gathered by collectives)."""
     name_map = name_map_for(spec)
     for offset, name, param in _chunk_params(model):
-        rule, hf_names = name_map.resolve(name, layer_offset=offset, tied=spec.tie_word_embeddings)
+        rule, hf_names = _resolve(name_map, name, offset, spec, layout)
         if spec.tie_word_embeddings and name == "output_layer.weight":
             continue  # the first stage's embedding is the tied copy we export
-        shards = [param.detach()] if rule.layout == "replicated" else _gather_tp(param.detach(), layout)
-        yield from shards_to_hf(rule, hf_names, shards, spec=spec).items()
+        shards = [param.detach()] if rule.layout == "replicated" else _gather(param.detach(), rule, layout)
+        if rule.is_expert and gather_experts and layout.ep_size > 1:
+            # every rank joins the EP all-gather; the stage's dense owner yields
+            yield from _gather_experts(name_map, name, offset, shards_to_hf(rule, hf_names, shards, spec=spec),
+                                       spec=spec, layout=layout)
+        elif owns(rule, layout):
+            yield from shards_to_hf(rule, hf_names, shards, spec=spec).items()
+
+
+def _gather_experts(name_map: Any, name: str, offset: int, tensors: dict[str, torch.Tensor], *,
+                    spec: HFModelSpec, layout: "Layout") -> Iterator[tuple[str, torch.Tensor]]:
+    """One local expert's HF tensors from every EP rank, yielded (under each rank's global expert
+    names) on the stage's dense owner."""
+    from megatron.core import parallel_state as ps
+
+    per_rank = spec.moe.num_experts // layout.ep_size
+    gathered: dict[str, list[torch.Tensor]] = {}
+    for hf_name, tensor in tensors.items():
+        parts = [torch.empty_like(tensor) for _ in range(layout.ep_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=ps.get_expert_model_parallel_group())
+        gathered[hf_name] = parts
+    if not (layout.tp_rank == 0 and layout.dp_rank == 0):
+        return
+    for ep in range(layout.ep_size):
+        _, names = name_map.resolve(name, layer_offset=offset, tied=spec.tie_word_embeddings,
+                                    expert_offset=ep * per_rank)
+        for local_name, global_name in zip(tensors, names):
+            yield global_name, gathered[local_name][ep]
 
 
 def export_hf(model: Any, out_dir: str, *, spec: HFModelSpec, layout: "Layout",
@@ -163,8 +224,10 @@ def export_hf(model: Any, out_dir: str, *, spec: HFModelSpec, layout: "Layout",
     dist.barrier()
 
     tensors = {k: v.to(dtype or v.dtype).cpu().contiguous() for k, v in stage_hf_tensors(model, spec=spec, layout=layout)}
-    file_name = f"model-{layout.pp_rank + 1:05d}-of-{layout.pp_size:05d}.safetensors"
-    writer = layout.tp_rank == 0 and layout.dp_rank == 0
+    # One file per (PP stage, EP rank): the stage's dense tensors go with EP rank 0's experts.
+    files = layout.pp_size * layout.ep_size
+    file_name = f"model-{layout.pp_rank * layout.ep_size + layout.ep_rank + 1:05d}-of-{files:05d}.safetensors"
+    writer = bool(tensors)
     if writer:
         save_file(tensors, os.path.join(partial, file_name), metadata={"format": "pt"})
     names = {k: file_name for k in tensors} if writer else {}

@@ -2,7 +2,10 @@
 
 A rule says which HF tensor(s) one Megatron parameter is made of and how its tensor-parallel shard
 is laid out (the layouts are implemented in `layouts.py`). `{layer}` is the *global* layer index;
-PP stages number their layers locally and the bridge adds the stage's layer offset.
+PP stages number their layers locally and the bridge adds the stage's layer offset. `{expert}` is the
+*global* expert index: an expert-parallel rank numbers its experts locally and the caller adds the
+rank's first expert. An expert's shard is split over the expert-tensor-parallel group, every other
+parameter's over the tensor-parallel group.
 
   layout       Megatron shard on TP rank r (of t)                       HF tensors
   -----------  -------------------------------------------------------  --------------------------
@@ -37,15 +40,21 @@ class Rule:
         assert self.layout in LAYOUTS, self.layout
         self._regex()  # compile early so a bad pattern fails at import
 
-    def _regex(self) -> "re.Pattern[str]":
-        return re.compile("^" + re.escape(self.megatron).replace(r"\{layer\}", r"(?P<layer>\d+)") + "$")
+    @property
+    def is_expert(self) -> bool:
+        return "{expert}" in self.megatron
 
-    def match(self, megatron_name: str) -> Optional[int]:
-        """Return the layer index (or -1 for a non-layer parameter) if the name matches, else None."""
+    def _regex(self) -> "re.Pattern[str]":
+        pattern = re.escape(self.megatron).replace(r"\{layer\}", r"(?P<layer>\d+)")
+        return re.compile("^" + pattern.replace(r"\{expert\}", r"(?P<expert>\d+)") + "$")
+
+    def match(self, megatron_name: str) -> Optional[dict[str, int]]:
+        """The name's local `layer` / `expert` indices (an empty dict for a non-layer parameter) if
+        it matches, else None."""
         m = self._regex().match(megatron_name)
         if m is None:
             return None
-        return int(m.group("layer")) if "layer" in m.groupdict() else -1
+        return {k: int(v) for k, v in m.groupdict().items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,15 +64,18 @@ class NameMap:
     # HF name used for the output layer when input and output embeddings are tied.
     tied_output_hf: str = "model.embed_tokens.weight"
 
-    def resolve(self, megatron_name: str, *, layer_offset: int, tied: bool) -> tuple[Rule, tuple[str, ...]]:
-        """HF names for a Megatron parameter named with *local* layer numbering on this PP stage."""
+    def resolve(self, megatron_name: str, *, layer_offset: int, tied: bool,
+                expert_offset: int = 0) -> tuple[Rule, tuple[str, ...]]:
+        """HF names for a Megatron parameter named with *local* layer numbering on this PP stage
+        (and local expert numbering on this expert-parallel rank)."""
         for rule in self.rules:
-            layer = rule.match(megatron_name)
-            if layer is None:
+            index = rule.match(megatron_name)
+            if index is None:
                 continue
             if rule.megatron == "output_layer.weight" and tied:
                 return rule, (self.tied_output_hf,)
-            names = tuple(n.format(layer=layer + layer_offset) for n in rule.hf)
+            fields = {"layer": index.get("layer", -1) + layer_offset, "expert": index.get("expert", -1) + expert_offset}
+            names = tuple(n.format(**fields) for n in rule.hf)
             return rule, names
         raise KeyError(f"no {self.family} name-map rule for Megatron parameter {megatron_name!r}")
 
@@ -101,10 +113,22 @@ _QK_NORM_RULES = (
     Rule(_LAYER + "self_attention.k_layernorm.weight", (_ATTN + "k_norm.weight",), "replicated"),
 )
 
+# Qwen3-MoE: every MLP is a router + experts (Megatron's SequentialMLP: one fc1/fc2 per expert).
+_EXPERT = _LAYER + "mlp.experts.local_experts.{expert}."
+_HF_EXPERT = _MLP + "experts.{expert}."
+_MOE_RULES = (
+    Rule(_LAYER + "mlp.router.weight", (_MLP + "gate.weight",), "replicated"),
+    Rule(_EXPERT + "linear_fc1.weight", (_HF_EXPERT + "gate_proj.weight", _HF_EXPERT + "up_proj.weight"), "gate_up"),
+    Rule(_EXPERT + "linear_fc2.weight", (_HF_EXPERT + "down_proj.weight",), "row"),
+)
+_DENSE_MLP = (_LAYER + "mlp.linear_fc1.weight", _LAYER + "mlp.linear_fc2.weight", _LAYER + "mlp.linear_fc1.layer_norm_weight")
+
 NAME_MAPS: dict[str, NameMap] = {
     "llama": NameMap("llama", _LLAMA_RULES + _TE_FUSED_NORM_RULES),
     "qwen2": NameMap("qwen2", _LLAMA_RULES + _TE_FUSED_NORM_RULES),
     "qwen3": NameMap("qwen3", _LLAMA_RULES + _TE_FUSED_NORM_RULES + _QK_NORM_RULES),
+    "qwen3_moe": NameMap("qwen3_moe", tuple(r for r in _LLAMA_RULES + _TE_FUSED_NORM_RULES if r.megatron not in _DENSE_MLP)
+                         + _QK_NORM_RULES + _MOE_RULES),
 }
 
 

@@ -7,6 +7,12 @@ Supported architectures and what distinguishes them:
   LlamaForCausalLM    llama   attention_bias  no         hidden / heads (or head_dim)
   Qwen2ForCausalLM    qwen2   yes          no            hidden / heads
   Qwen3ForCausalLM    qwen3   attention_bias  yes        head_dim (explicit)
+  Qwen3MoeForCausalLM qwen3_moe  as qwen3, every MLP a mixture of experts (top-k softmax router)
+
+Mixture-of-experts fields (`moe` is None for dense models): experts, top-k, the expert FFN size,
+whether the top-k probabilities are renormalised (`norm_topk_prob`) and the aux-loss coefficient.
+A variant the trainer cannot represent (shared experts, dense layers between sparse ones) is refused
+here, naming the config field, before any weight is read.
 """
 
 from __future__ import annotations
@@ -14,17 +20,27 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Optional
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
 class CheckpointError(ValueError):
     """A HF checkpoint directory that cannot be used; the message names the file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESpec:
+    num_experts: int
+    top_k: int
+    ffn_hidden_size: int
+    norm_topk_prob: bool
+    aux_loss_coef: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +60,7 @@ class HFModelSpec:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    moe: Optional[MoESpec] = None
 
     @property
     def heads_per_group(self) -> int:
@@ -98,7 +115,30 @@ def read_hf_spec(model_dir: str) -> HFModelSpec:
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=True if family == "qwen2" else bool(raw.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
+            moe=_moe_spec(raw, path) if family == "qwen3_moe" else None,
         )
     except KeyError as e:
         raise CheckpointError(f"{path}: missing required field {e.args[0]!r}") from None
+
+
+def _moe_spec(raw: dict[str, Any], path: str) -> MoESpec:
+    layers = int(raw["num_hidden_layers"])
+    step = int(raw.get("decoder_sparse_step", 1))
+    dense = [int(i) for i in raw.get("mlp_only_layers") or []]
+    if step != 1 or dense:  # Megatron could mix them (moe_layer_freq); no model we serve does
+        field, value = ("decoder_sparse_step", step) if step != 1 else ("mlp_only_layers", dense)
+        raise CheckpointError(f"{path}: {field}={value!r}: dense layers between MoE layers are not supported "
+                              f"(every one of the {layers} layers must be sparse)")
+    for field in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+        if raw.get(field):
+            raise CheckpointError(f"{path}: {field}={raw[field]!r}: shared experts are not supported")
+    experts = raw.get("num_experts", raw.get("num_local_experts"))
+    if experts is None:
+        raise CheckpointError(f"{path}: missing required field 'num_experts'")
+    top_k = int(raw["num_experts_per_tok"])
+    if not 1 <= top_k <= int(experts):
+        raise CheckpointError(f"{path}: num_experts_per_tok={top_k} must be in 1..num_experts={experts}")
+    return MoESpec(num_experts=int(experts), top_k=top_k, ffn_hidden_size=int(raw["moe_intermediate_size"]),
+                   norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                   aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)))

@@ -30,6 +30,14 @@ class Layout:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    ep_size: int = 1
+    """Expert parallel: the experts of each MoE layer are split over this many ranks."""
+    ep_rank: int = 0
+    etp_size: int = 1
+    """Expert tensor parallel: each expert's weights are split over this many ranks."""
+    etp_rank: int = 0
+    edp_rank: int = 0
+    """Rank among the replicas of this rank's experts (expert data parallel)."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -41,7 +49,8 @@ class Layout:
 
 
 def init_distributed(*, tp_size: int, pp_size: int, seed: int, backend: str = "auto",
-                     timeout_s: float = 600.0, vpp_size: Optional[int] = None, cp_size: int = 1) -> Layout:
+                     timeout_s: float = 600.0, vpp_size: Optional[int] = None, cp_size: int = 1,
+                     ep_size: int = 1, etp_size: Optional[int] = None) -> Layout:
     """Initialise torch.distributed (if needed) and Megatron's parallel state; seed every RNG."""
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -61,13 +70,20 @@ def init_distributed(*, tp_size: int, pp_size: int, seed: int, backend: str = "a
             f"world size {world} is not divisible by tensor_model_parallel_size × "
             f"pipeline_model_parallel_size × context_parallel_size = {tp_size} × {pp_size} × {cp_size}"
         )
+    etp_size = tp_size if etp_size is None else etp_size
+    if world % (etp_size * ep_size * pp_size) != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by expert_tensor_parallel_size × expert_model_parallel_size × "
+            f"pipeline_model_parallel_size = {etp_size} × {ep_size} × {pp_size}"
+        )
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
-                                 virtual_pipeline_model_parallel_size=vpp_size, context_parallel_size=cp_size)
+                                 virtual_pipeline_model_parallel_size=vpp_size, context_parallel_size=cp_size,
+                                 expert_model_parallel_size=ep_size, expert_tensor_parallel_size=etp_size)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return Layout(
@@ -79,6 +95,11 @@ def init_distributed(*, tp_size: int, pp_size: int, seed: int, backend: str = "a
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
+        ep_size=ep_size,
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        etp_size=etp_size,
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        edp_rank=ps.get_expert_data_parallel_rank(),
     )
 
 

@@ -68,6 +68,7 @@ class BatchingOptions:
     max_seq_len: int = 0  # longest sample accepted, 0 = no check
     pad_multiple: int = 1  # rows padded to a multiple of this (TP size, for sequence parallel)
     equal_rows: bool = False  # pipeline parallel: every row of the step has the same length
+    equal_counts: bool = False  # expert parallel: every DP rank runs the same number of micro-batches
     min_micro_batches: int = 1
     micro_batch_multiple: int = 1
 
@@ -112,7 +113,8 @@ def _packed(batch: dict[str, torch.Tensor], lengths: list[int], opts: BatchingOp
             dp_size: int, device: torch.device) -> list[Micro]:
     plan = plan_micro_batches(lengths, dp_size=dp_size, max_tokens=opts.max_tokens,
                               max_samples=opts.micro_batch_size, pad_multiple=opts.pad_multiple,
-                              equal_rows=opts.equal_rows, min_micro_batches=opts.min_micro_batches,
+                              equal_rows=opts.equal_rows, equal_counts=opts.equal_counts,
+                              min_micro_batches=opts.min_micro_batches,
                               micro_batch_multiple=opts.micro_batch_multiple)[dp_rank]
     tokens = batch["tokens"]
     micro = []

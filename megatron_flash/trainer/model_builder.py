@@ -1,7 +1,9 @@
-"""Build this rank's Megatron-Core `GPTModel` stage for a HF Llama / Qwen2 / Qwen3 config.
+"""Build this rank's Megatron-Core `GPTModel` stage for a HF Llama / Qwen2 / Qwen3 / Qwen3-MoE config.
 
 The HF config decides the architecture (RMSNorm eps, SwiGLU, RoPE θ, GQA, q/k/v bias, q/k norm,
-tied embeddings); the parallel layout decides the shard. Transformer-Engine's layer spec is used
+tied embeddings, experts and router); the parallel layout decides the shard. MoE layers use
+Megatron's top-k router in fp32 (softmax over the top-k logits = Qwen3's softmax, top-k, renormalise;
+softmax before top-k when the checkpoint does not renormalise) and SequentialMLP experts. Transformer-Engine's layer spec is used
 when TE imports and CUDA exists (config `model.use_transformer_engine`), the local spec otherwise.
 """
 
@@ -23,14 +25,41 @@ def padded_vocab_size(vocab_size: int, *, divisible_by: int, tp_size: int) -> in
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def validate_layout(spec: HFModelSpec, *, tp_size: int, pp_size: int, vpp_size: Optional[int] = None) -> None:
+@dataclasses.dataclass(frozen=True)
+class MoEOptions:
+    """Trainer options for MoE models (config `parallel.expert_*`, `model.moe_*`)."""
+
+    ep_size: int = 1
+    etp_size: Optional[int] = None  # None = the TP size
+    aux_loss_coeff: Optional[float] = None  # None = the checkpoint's router_aux_loss_coef
+    token_dispatcher: str = "allgather"
+
+
+def validate_layout(spec: HFModelSpec, *, tp_size: int, pp_size: int, vpp_size: Optional[int] = None,
+                    moe: MoEOptions = MoEOptions(), sequence_parallel: bool = False) -> None:
     """Raise ValueError naming the quantity that the layout cannot split evenly."""
     checks = [
         ("num_attention_heads", spec.num_attention_heads, tp_size, "tensor_model_parallel_size"),
         ("num_key_value_heads", spec.num_query_groups, tp_size, "tensor_model_parallel_size"),
-        ("intermediate_size", spec.ffn_hidden_size, tp_size, "tensor_model_parallel_size"),
         ("num_hidden_layers", spec.num_layers, pp_size, "pipeline_model_parallel_size"),
     ]
+    if spec.moe is None:
+        checks.append(("intermediate_size", spec.ffn_hidden_size, tp_size, "tensor_model_parallel_size"))
+        for key, value, default in (("expert_model_parallel_size", moe.ep_size, 1),
+                                    ("expert_tensor_parallel_size", moe.etp_size, None)):
+            if value != default:
+                raise ValueError(f"parallel.{key}={value} needs a mixture-of-experts model; "
+                                 f"{spec.architecture} is dense")
+        if moe.aux_loss_coeff is not None:
+            raise ValueError(f"model.moe_aux_loss_coeff={moe.aux_loss_coeff} needs a mixture-of-experts model; "
+                             f"{spec.architecture} is dense")
+    else:
+        etp = tp_size if moe.etp_size is None else moe.etp_size
+        if tp_size > 1 and not sequence_parallel:  # Megatron's MoE layer refuses to train otherwise
+            raise ValueError(f"parallel.tensor_model_parallel_size={tp_size} with a mixture-of-experts model needs "
+                             "parallel.sequence_parallel=true")
+        checks += [("num_experts", spec.moe.num_experts, moe.ep_size, "expert_model_parallel_size"),
+                   ("moe_intermediate_size", spec.moe.ffn_hidden_size, etp, "expert_tensor_parallel_size")]
     if pp_size > spec.num_layers:
         raise ValueError(
             f"parallel.pipeline_model_parallel_size={pp_size} is larger than the model's "
@@ -62,14 +91,6 @@ def check_scale_options(scale: "ScaleOptions", *, optimizer: Any, uses_te: bool)
             f"parallel.context_parallel_size={scale.context_parallel_size} needs CP-aware logprobs in the "
             "trainer (each CP rank holds two chunks of every packed sample), which are not built yet"
         )
-    if scale.sequence_parallel and not uses_te:
-        from megatron.core.models.gpt import gpt_layer_specs
-
-        if not gpt_layer_specs.HAVE_APEX:
-            raise ValueError(
-                "parallel.sequence_parallel=true needs Transformer Engine (with CUDA) or NVIDIA Apex norms: "
-                "the local layer spec's torch RMSNorm refuses sequence parallel in megatron-core"
-            )
     if getattr(optimizer, "cpu_offload_fraction", 0.0) > 0 and not torch.cuda.is_available():
         raise ValueError(
             "optimizer.cpu_offload_fraction > 0 needs CUDA: a CPU trainer already keeps the optimizer in "
@@ -115,8 +136,31 @@ class ScaleOptions:
         return kwargs
 
 
+def moe_config_kwargs(spec: HFModelSpec, moe: MoEOptions) -> dict[str, Any]:
+    """TransformerConfig's MoE fields (none for a dense model)."""
+    if spec.moe is None:
+        return {}
+    m = spec.moe
+    return dict(
+        num_moe_experts=m.num_experts,
+        moe_router_topk=m.top_k,
+        moe_ffn_hidden_size=m.ffn_hidden_size,
+        moe_router_score_function="softmax",
+        # Top-k of the logits then softmax over those k = softmax, top-k, renormalise (Qwen3's
+        # norm_topk_prob); without renormalisation the softmax runs over every expert first.
+        moe_router_pre_softmax=not m.norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=m.aux_loss_coef if moe.aux_loss_coeff is None else moe.aux_loss_coeff,
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type=moe.token_dispatcher,
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=moe.ep_size,
+        expert_tensor_parallel_size=moe.etp_size,
+    )
+
+
 def transformer_config_kwargs(spec: HFModelSpec, *, tp_size: int, pp_size: int, dtype: str,
-                              scale: ScaleOptions = ScaleOptions()) -> dict[str, Any]:
+                              scale: ScaleOptions = ScaleOptions(), moe: MoEOptions = MoEOptions()) -> dict[str, Any]:
     """Everything Megatron's TransformerConfig receives (no Megatron import: testable as data)."""
     if dtype not in DTYPES:
         raise ValueError(f"model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -154,15 +198,16 @@ def transformer_config_kwargs(spec: HFModelSpec, *, tp_size: int, pp_size: int, 
         batch_p2p_comm=not on_cpu,
         batch_p2p_sync=not on_cpu,
         **scale.config_kwargs(),
+        **moe_config_kwargs(spec, moe),
     )
 
 
 def transformer_config(spec: HFModelSpec, *, tp_size: int, pp_size: int, dtype: str,
-                       scale: ScaleOptions = ScaleOptions()) -> Any:
+                       scale: ScaleOptions = ScaleOptions(), moe: MoEOptions = MoEOptions()) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(**transformer_config_kwargs(spec, tp_size=tp_size, pp_size=pp_size, dtype=dtype,
-                                                         scale=scale))
+                                                         scale=scale, moe=moe))
 
 
 def build_gpt_stage(spec: HFModelSpec, *, config: Any, make_vocab_size_divisible_by: int,
@@ -176,14 +221,23 @@ def build_gpt_stage(spec: HFModelSpec, *, config: Any, make_vocab_size_divisible
     )
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    experts = spec.moe.num_experts if spec.moe is not None else None
+    if experts:
+        from megatron.core.transformer.moe import moe_utils
+
+        if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 leaves it undefined without TE
+            moe_utils.te_general_gemm = None
     if use_te(use_transformer_engine):
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=spec.qk_norm)
     else:
         from megatron_flash.trainer.packed_attention import packed_dot_product_attention
 
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+        from megatron_flash.trainer.norms import local_block_spec
+
+        layer_spec = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm", qk_layernorm=spec.qk_norm)
         # Packed rows (THD) on the local spec: attention per sample, like TE's (packed_attention.py).
         layer_spec.submodules.self_attention.submodules.core_attention = packed_dot_product_attention()
+        layer_spec = local_block_spec(layer_spec, config, vp_stage=vp_stage)  # norms that allow sequence parallel
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

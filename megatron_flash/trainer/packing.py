@@ -89,12 +89,16 @@ def _first_fit(indices: Sequence[int], lengths: Sequence[int], *, max_tokens: in
 
 
 def plan_micro_batches(lengths: Sequence[int], *, dp_size: int, max_tokens: int = 0, max_samples: int,
-                       pad_multiple: int = 1, equal_rows: bool = False,
+                       pad_multiple: int = 1, equal_rows: bool = False, equal_counts: bool = False,
                        min_micro_batches: int = 1, micro_batch_multiple: int = 1) -> list[list[MicroBatch]]:
     """Micro-batches for every DP rank (list index = DP rank).
 
     `min_micro_batches` / `micro_batch_multiple`: the interleaved pipeline schedule needs at least PP
     micro-batches and a count it can group by PP; extra micro-batches are fillers (one pad token).
+    `equal_counts`: every DP rank runs as many micro-batches as the busiest (MoE under expert
+    parallelism: the token dispatch is a collective over ranks of different DP ranks, once per
+    micro-batch and layer); `equal_rows`: every row has the step's longest row length (pipeline
+    parallel's fixed P2P shapes; the all-gather dispatcher's equal token counts).
     """
     if max_samples < 1:
         raise ValueError(f"max_samples must be >= 1, got {max_samples}")
@@ -109,6 +113,8 @@ def plan_micro_batches(lengths: Sequence[int], *, dp_size: int, max_tokens: int 
     ]
     rows = [round_up(max(sum(lengths[i] for i in b), 1), pad_multiple) for bins in plans for b in bins]
     common = max(rows, default=pad_multiple) if equal_rows else 0
+    if equal_counts:
+        min_micro_batches = max([min_micro_batches] + [len(bins) for bins in plans])
     out: list[list[MicroBatch]] = []
     for bins in plans:
         mbs = []

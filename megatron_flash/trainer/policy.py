@@ -31,6 +31,7 @@ from megatron_flash.trainer.logprobs import vocab_parallel_logprobs
 from megatron_flash.trainer.micro_batches import BatchingOptions, Micro, build_micro_batches, scatter_rows
 from megatron_flash.trainer.model_builder import (
     DTYPES,
+    MoEOptions,
     ScaleOptions,
     build_gpt_stage,
     padded_vocab_size,
@@ -58,6 +59,7 @@ class PolicySettings:
     max_tokens_per_micro_batch: int = 0
     max_seq_len: int = 0  # 0 = no check
     scale: ScaleOptions = dataclasses.field(default_factory=ScaleOptions)
+    moe: MoEOptions = dataclasses.field(default_factory=MoEOptions)
     seed: int = 1234
     optimizer_steps: int = 100  # of the whole run: the LR schedule's length
     make_vocab_size_divisible_by: int = 128
@@ -85,6 +87,8 @@ class PolicySettings:
                                context_parallel_size=p.context_parallel_size, recompute=t.recompute,
                                recompute_method=t.recompute_method or "uniform",
                                recompute_num_layers=t.recompute_num_layers or 1),
+            moe=MoEOptions(ep_size=p.expert_model_parallel_size, etp_size=p.expert_tensor_parallel_size,
+                           aux_loss_coeff=model.moe_aux_loss_coeff, token_dispatcher=model.moe_token_dispatcher),
             seed=t.seed, optimizer_steps=t.total_steps * t.num_epochs * t.num_mini_batches,
             make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
             use_transformer_engine=model.use_transformer_engine, backend=p.backend,
@@ -97,13 +101,16 @@ class MegatronPolicy:
         self.settings = s = settings
         self.spec: HFModelSpec = read_hf_spec(s.hf_path)
         vpp = s.scale.virtual_pipeline_size
-        validate_layout(self.spec, tp_size=s.tp_size, pp_size=s.pp_size, vpp_size=vpp)
+        validate_layout(self.spec, tp_size=s.tp_size, pp_size=s.pp_size, vpp_size=vpp, moe=s.moe,
+                        sequence_parallel=s.scale.sequence_parallel)
         self.uses_te = use_te(s.use_transformer_engine)
         check_scale_options(s.scale, optimizer=s.optimizer, uses_te=self.uses_te)
         self.layout: Layout = init_distributed(tp_size=s.tp_size, pp_size=s.pp_size, seed=s.seed, backend=s.backend,
-                                               vpp_size=vpp, cp_size=s.scale.context_parallel_size)
+                                               vpp_size=vpp, cp_size=s.scale.context_parallel_size,
+                                               ep_size=s.moe.ep_size, etp_size=s.moe.etp_size)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.config = transformer_config(self.spec, tp_size=s.tp_size, pp_size=s.pp_size, dtype=s.dtype, scale=s.scale)
+        self.config = transformer_config(self.spec, tp_size=s.tp_size, pp_size=s.pp_size, dtype=s.dtype, scale=s.scale,
+                                         moe=s.moe)
         self.padded_vocab = padded_vocab_size(self.spec.vocab_size, divisible_by=s.make_vocab_size_divisible_by,
                                               tp_size=s.tp_size)
         # One model chunk per virtual pipeline stage (one chunk without interleaving); each chunk has
@@ -181,12 +188,15 @@ class MegatronPolicy:
 
     # ------------------------------------------------------------------ batching
     def _batching(self) -> BatchingOptions:
-        s, pp = self.settings, self.layout.pp_size
+        s, pp, ep = self.settings, self.layout.pp_size, self.layout.ep_size
         interleaved = len(self.chunks) > 1  # the interleaved schedule groups micro-batches by PP
+        # Expert parallel: token dispatch is a collective across DP ranks in every micro-batch, and the
+        # all-gather dispatcher needs the same token count on every rank.
+        allgather = ep > 1 and s.moe.token_dispatcher == "allgather"
         return BatchingOptions(
             pack=s.pack_sequences, micro_batch_size=s.micro_batch_size, max_tokens=s.max_tokens_per_micro_batch,
             max_seq_len=s.max_seq_len, pad_multiple=s.tp_size,  # sequence parallel splits rows over TP
-            equal_rows=pp > 1, min_micro_batches=pp if interleaved else 1,
+            equal_rows=pp > 1 or allgather, equal_counts=ep > 1, min_micro_batches=pp if interleaved else 1,
             micro_batch_multiple=pp if interleaved else 1,
         )
 

@@ -130,7 +130,9 @@ class Executor:
         serial = self.transport.serial_stages and layout.pp_size > 1
         for stage in range(layout.pp_size):
             if stage == layout.pp_rank:
-                for index, bucket in enumerate(hf_buckets(self.policy, bucket_bytes=self.bucket_bytes)):
+                buckets = hf_buckets(self.policy, bucket_bytes=self.bucket_bytes,
+                                     gather_experts=self.transport.one_sender_per_stage)
+                for index, bucket in enumerate(buckets):
                     live = [u for u in active if u not in errors]
                     step = f"PP stage {stage} bucket {index}"
                     try:

@@ -1,9 +1,12 @@
-"""The plan of a sync: who sends (one sender per PP stage) and what, in buckets of HF tensors.
+"""The plan of a sync: who sends and what, in buckets of HF tensors.
 
-Every PP stage has one *sender*: its TP rank 0 of DP rank 0. Within the stage all TP ranks all-gather
-each parameter (collectives), the sender turns it into HF tensors (name map, vocab padding stripped)
-and groups them into buckets of `bucket_bytes`. Peak extra memory on a sender is one bucket plus the
-parameter being gathered.
+Every PP stage has one *sender* of its dense parameters: its TP rank 0 of DP rank 0. Within the stage
+all TP ranks all-gather each parameter (collectives), the sender turns it into HF tensors (name map,
+vocab padding stripped) and groups them into buckets of `bucket_bytes`. MoE experts leave from the
+rank that owns them (expert-TP 0, expert-DP 0 of each expert-parallel rank), so under EP a stage has
+one sender per EP rank — unless the transport needs one sender per stage (`gather_experts`: every
+expert is then gathered over the EP group to the stage's sender). Peak extra memory on a sender is
+one bucket plus the parameter being gathered.
 """
 
 from __future__ import annotations
@@ -17,29 +20,22 @@ from megatron_flash.hf.io import stage_hf_tensors
 Bucket = list[tuple[str, torch.Tensor]]
 
 
-def is_sender(layout: Any) -> bool:
-    return layout.tp_rank == 0 and layout.dp_rank == 0
-
-
 def bucket_nbytes(bucket: Bucket) -> int:
     return sum(t.numel() * t.element_size() for _, t in bucket)
 
 
-def hf_buckets(policy: Any, *, bucket_bytes: int) -> Iterator[Bucket]:
-    """This PP stage's HF tensors in buckets (non-empty only on the stage's sender; every TP rank
-    of the stage must exhaust the iterator because it drives the TP all-gathers).
+def hf_buckets(policy: Any, *, bucket_bytes: int, gather_experts: bool = False) -> Iterator[Bucket]:
+    """This rank's share of its PP stage's HF tensors in buckets (empty unless it is a sender; every
+    rank of the stage must exhaust the iterator because it drives the all-gathers).
 
     Every tensor is copied into its own fresh storage. Without the copy a replicated parameter (a
     norm weight) or a view (q/k/v of one fused tensor) would be sent as the trainer's own storage:
     ipc moves that storage into a shared-memory file for good, and when an engine that opened the
     file dies, torch's shm manager unlinks the name, so every later send of it fails on every engine."""
-    layout = policy.layout
-    sender = is_sender(layout)
     bucket: Bucket = []
     size = 0
-    for name, tensor in stage_hf_tensors(policy.model, spec=policy.spec, layout=layout):
-        if not sender:
-            continue
+    for name, tensor in stage_hf_tensors(policy.model, spec=policy.spec, layout=policy.layout,
+                                         gather_experts=gather_experts):
         tensor = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor.detach())
         bucket.append((name, tensor))
         size += tensor.numel() * tensor.element_size()

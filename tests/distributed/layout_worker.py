@@ -20,7 +20,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_flash.config.schema import OptimizerConfig  # noqa: E402
 from megatron_flash.trainer.distributed import destroy_distributed  # noqa: E402
-from megatron_flash.trainer.model_builder import ScaleOptions  # noqa: E402
+from megatron_flash.trainer.model_builder import MoEOptions, ScaleOptions  # noqa: E402
 from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings  # noqa: E402
 
 
@@ -71,6 +71,8 @@ def main() -> None:
     p.add_argument("--vpp", type=int, default=None)
     p.add_argument("--sp", action="store_true", help="sequence parallel")
     p.add_argument("--cp", type=int, default=1, help="context parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE)")
+    p.add_argument("--moe-aux", type=float, default=None, help="MoE load-balancing loss coefficient")
     p.add_argument("--recompute", default="none")
     p.add_argument("--lr", type=float, default=1e-3)
     args = p.parse_args()
@@ -80,6 +82,7 @@ def main() -> None:
         scale=ScaleOptions(sequence_parallel=args.sp, virtual_pipeline_size=args.vpp, recompute=args.recompute,
                            context_parallel_size=args.cp,
                            recompute_num_layers=1),
+        moe=MoEOptions(ep_size=args.ep, aux_loss_coeff=args.moe_aux),
         optimizer=OptimizerConfig(name=args.optimizer, lr=args.lr, clip_grad=1e6,
                                   use_distributed_optimizer=args.distributed_optimizer),
     ))

@@ -1,5 +1,6 @@
 """No silent options: every field of the `parallel` and `trainer` sections changes what Megatron (or the
-controller) receives, or is rejected with an error naming it.
+controller) receives, or is rejected with an error naming it (against a dense model; the expert
+fields are also checked against a mixture-of-experts one).
 
 For each field the test sets a non-default value (ALTERNATIVES; a new field without an entry fails
 here, so nobody can add one without deciding what it does) and then either
@@ -28,13 +29,16 @@ from megatron_flash.trainer.model_builder import (
     validate_layout,
 )
 from megatron_flash.trainer.policy import PolicySettings
-from megatron_flash.hf.spec import HFModelSpec
+from megatron_flash.hf.spec import HFModelSpec, MoESpec
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = HFModelSpec(family="llama", architecture="LlamaForCausalLM", vocab_size=1000, hidden_size=64,
                    ffn_hidden_size=128, num_layers=8, num_attention_heads=8, num_query_groups=4, head_dim=8,
                    norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=False,
                    qkv_bias=False, qk_norm=False)
+MOE_SPEC = dataclasses.replace(SPEC, family="qwen3_moe", architecture="Qwen3MoeForCausalLM", qk_norm=True,
+                               moe=MoESpec(num_experts=8, top_k=2, ffn_hidden_size=32, norm_topk_prob=True,
+                                           aux_loss_coef=0.001))
 BASE = ["model.hf_path=/unused", "rollout.n_samples_per_prompt=4", "trainer.global_batch_size=16"]
 
 # field → overrides that set it to a non-default value (plus what it needs to pass the schema)
@@ -46,6 +50,8 @@ ALTERNATIVES: dict[str, list[str]] = {
     "parallel.virtual_pipeline_model_parallel_size": ["parallel.virtual_pipeline_model_parallel_size=2",
                                                       "parallel.pipeline_model_parallel_size=2"],
     "parallel.context_parallel_size": ["parallel.context_parallel_size=2"],
+    "parallel.expert_model_parallel_size": ["parallel.expert_model_parallel_size=2"],
+    "parallel.expert_tensor_parallel_size": ["parallel.expert_tensor_parallel_size=2"],
     "trainer.total_steps": ["trainer.total_steps=7"],
     "trainer.micro_batch_size": ["trainer.micro_batch_size=2"],
     "trainer.global_batch_size": ["trainer.global_batch_size=32"],
@@ -73,18 +79,19 @@ ACCEPTED = {
 }
 
 
-def megatron_view(overrides: list[str]) -> dict[str, Any]:
+def megatron_view(overrides: list[str], spec: HFModelSpec = SPEC) -> dict[str, Any]:
     """What the trainer would hand to Megatron for this config (raises ValueError on a rejection)."""
     cfg = load_config(None, BASE + overrides)
     s = PolicySettings.from_sections(model=cfg.model, parallel=cfg.parallel, trainer=cfg.trainer, optimizer=cfg.optimizer)
-    validate_layout(SPEC, tp_size=s.tp_size, pp_size=s.pp_size, vpp_size=s.scale.virtual_pipeline_size)
+    validate_layout(spec, tp_size=s.tp_size, pp_size=s.pp_size, vpp_size=s.scale.virtual_pipeline_size, moe=s.moe,
+                    sequence_parallel=s.scale.sequence_parallel)
     uses_te = use_te(s.use_transformer_engine)
     check_scale_options(s.scale, optimizer=s.optimizer, uses_te=uses_te)
     return {
-        "TransformerConfig": transformer_config_kwargs(SPEC, tp_size=s.tp_size, pp_size=s.pp_size, dtype=s.dtype,
-                                                       scale=s.scale),
+        "TransformerConfig": transformer_config_kwargs(spec, tp_size=s.tp_size, pp_size=s.pp_size, dtype=s.dtype,
+                                                       scale=s.scale, moe=s.moe),
         "initialize_model_parallel": (s.tp_size, s.pp_size, s.scale.virtual_pipeline_size,
-                                      s.scale.context_parallel_size, s.backend, s.seed),
+                                      s.scale.context_parallel_size, s.backend, s.seed, s.moe.ep_size, s.moe.etp_size),
         "micro_batches": (s.pack_sequences, s.micro_batch_size, s.max_tokens_per_micro_batch, s.max_seq_len),
         "scheduler": s.optimizer_steps,
     }
@@ -137,3 +144,31 @@ def test_scale_errors_name_the_field_and_the_reason() -> None:
         megatron_view(["trainer.max_tokens_per_micro_batch=64", "trainer.pack_sequences=false"])
     with pytest.raises(ValueError, match="trainer.recompute_method is only used with trainer.recompute=full"):
         megatron_view(["trainer.recompute_method=block", "trainer.recompute=selective"])
+
+
+def test_expert_fields_reach_megatron_for_a_moe_model() -> None:
+    default = megatron_view([], MOE_SPEC)["TransformerConfig"]
+    assert (default["num_moe_experts"], default["moe_router_topk"], default["moe_router_pre_softmax"]) == (8, 2, False)
+    ep = megatron_view(["parallel.expert_model_parallel_size=2"], MOE_SPEC)
+    assert ep["TransformerConfig"]["expert_model_parallel_size"] == 2 and ep["initialize_model_parallel"][-2] == 2
+    etp = megatron_view(["parallel.expert_tensor_parallel_size=2"], MOE_SPEC)
+    assert etp["TransformerConfig"]["expert_tensor_parallel_size"] == 2
+    aux = megatron_view(["model.moe_aux_loss_coeff=0.01"], MOE_SPEC)["TransformerConfig"]
+    assert aux["moe_aux_loss_coeff"] == 0.01 and default["moe_aux_loss_coeff"] == 0.001
+    assert megatron_view(["model.moe_token_dispatcher=alltoall"], MOE_SPEC)["TransformerConfig"][
+        "moe_token_dispatcher_type"] == "alltoall"
+
+
+def test_moe_layout_rules_name_what_failed() -> None:
+    with pytest.raises(ValueError, match="num_experts=8 is not divisible by parallel.expert_model_parallel_size=3"):
+        megatron_view(["parallel.expert_model_parallel_size=3"], MOE_SPEC)
+    with pytest.raises(ValueError, match="moe_intermediate_size=32 is not divisible by "
+                                         "parallel.expert_tensor_parallel_size=3"):
+        megatron_view(["parallel.expert_tensor_parallel_size=3"], MOE_SPEC)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2 with a mixture-of-experts model needs "
+                                         "parallel.sequence_parallel=true"):
+        megatron_view(["parallel.tensor_model_parallel_size=2"], MOE_SPEC)
+    assert megatron_view(["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+                         MOE_SPEC)["TransformerConfig"]["sequence_parallel"] is True
+    with pytest.raises(ValueError, match="model.moe_aux_loss_coeff=0.01 needs a mixture-of-experts model"):
+        megatron_view(["model.moe_aux_loss_coeff=0.01"])

@@ -21,8 +21,9 @@ def test_config_choices_are_the_registered_transports() -> None:
 
 
 def test_each_transport_declares_how_it_moves_weights() -> None:
-    assert {name: (cls.streams_buckets, cls.serial_stages) for name, cls in REGISTRY.items()} == {
-        "ipc": (True, False), "broadcast": (True, True), "disk": (False, False)}
+    assert {name: (cls.streams_buckets, cls.serial_stages, cls.one_sender_per_stage)
+            for name, cls in REGISTRY.items()} == {
+        "ipc": (True, False, False), "broadcast": (True, True, True), "disk": (False, False, False)}
 
 
 def test_unknown_transport_and_disk_without_directory_are_refused() -> None:

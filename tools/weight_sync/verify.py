@@ -2,6 +2,7 @@
 
     python tools/weight_sync/verify.py --model-path runs/quickstart/tiny_model --transport ipc
     torchrun --nproc-per-node 4 tools/weight_sync/verify.py --model-path DIR --tp 2 --pp 2 --transport broadcast
+    torchrun --nproc-per-node 2 tools/weight_sync/verify.py --model-path MOE_DIR --ep 2   # experts from each EP rank
     ... --num-engines 2                          # two CPU engine servers (broadcast: both in each stage's group)
     ... --engine-url http://127.0.0.1:30000      # use running engines (repeat the flag) instead of CPU servers
 
@@ -34,6 +35,9 @@ def main() -> int:
     p.add_argument("--model-path", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--sp", action="store_true", help="sequence parallel (needs --tp > 1; MoE with TP needs it)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    p.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (default: --tp)")
     p.add_argument("--transport", default="ipc", choices=["ipc", "broadcast", "disk"])
     p.add_argument("--engine-url", action="append", default=[])
     p.add_argument("--num-engines", type=int, default=1, help="CPU engine servers to start (without --engine-url)")
@@ -52,11 +56,14 @@ def main() -> int:
     from megatron_flash.trainer.distributed import destroy_distributed
     from megatron_flash.ports import free_ports
     from megatron_flash.trainer.loss_adapter import nll_loss_fn
+    from megatron_flash.trainer.model_builder import MoEOptions, ScaleOptions
     from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
     from megatron_flash.weight_sync.bridge import WeightBridge
 
     policy = MegatronPolicy(PolicySettings(hf_path=args.model_path, tp_size=args.tp, pp_size=args.pp,
-                                           micro_batch_size=8, optimizer=OptimizerConfig(name="sgd", lr=0.5)))
+                                           micro_batch_size=8, optimizer=OptimizerConfig(name="sgd", lr=0.5),
+                                           moe=MoEOptions(ep_size=args.ep, etp_size=args.etp),
+                                           scale=ScaleOptions(sequence_parallel=args.sp)))
     rank0 = dist.get_rank() == 0
     tmp = tempfile.mkdtemp(prefix="mf_verify_") if rank0 else ""
     launcher = None
@@ -98,7 +105,7 @@ def main() -> int:
             worst = max(worst, (trainer_lp.double() - torch.tensor(engine_lp, dtype=torch.float64)).abs().max().item())
         code = 0 if worst <= args.tol else 1
         if rank0:
-            print(json.dumps({"transport": args.transport, "tp": args.tp, "pp": args.pp,
+            print(json.dumps({"transport": args.transport, "tp": args.tp, "pp": args.pp, "ep": args.ep,
                               "num_engines": len(urls), "max_abs_logprob_diff": worst,
                               "weight_version": samples[0][0][3],
                               "weight_versions": sorted({s[3] for s in samples[0]}),

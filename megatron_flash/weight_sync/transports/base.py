@@ -38,6 +38,9 @@ class Transport(Protocol):
     streams_buckets: ClassVar[bool]
     serial_stages: ClassVar[bool]
     """Under PP, stages take turns (a barrier after each stage's buckets)."""
+    one_sender_per_stage: ClassVar[bool]
+    """MoE under expert parallelism: the experts are gathered to the stage's sender instead of
+    leaving from every EP rank (a transport whose group has one source)."""
 
     def prepare(self, version: int) -> None: ...
 
@@ -53,6 +56,7 @@ class StreamingTransport:
 
     streams_buckets: ClassVar[bool] = True
     serial_stages: ClassVar[bool] = False
+    one_sender_per_stage: ClassVar[bool] = False
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx

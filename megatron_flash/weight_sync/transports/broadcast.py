@@ -24,6 +24,7 @@ from megatron_flash.weight_sync.transports.base import StreamingTransport, Trans
 class BroadcastTransport(StreamingTransport):
     name: ClassVar[str] = "broadcast"
     serial_stages: ClassVar[bool] = True
+    one_sender_per_stage: ClassVar[bool] = True  # the group broadcasts from its member 0
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)

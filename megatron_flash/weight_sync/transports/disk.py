@@ -14,6 +14,7 @@ class DiskTransport:
     name: ClassVar[str] = "disk"
     streams_buckets: ClassVar[bool] = False
     serial_stages: ClassVar[bool] = False
+    one_sender_per_stage: ClassVar[bool] = False
 
     def __init__(self, ctx: TransportContext) -> None:
         if not ctx.disk_dir:

@@ -8,6 +8,9 @@
   TP2 PP2     4       1     ipc, broadcast, disk   both of the above, layer offsets, tied/untied
   TP2 PP2     4       2     broadcast              each stage's group holds both engines; stages take
                                                    turns (engines serve one update at a time)
+  MoE EP2     2       1     ipc, broadcast, disk   Qwen3-MoE: each EP rank sends its own 4 experts
+                                                   (broadcast: gathered to the stage's sender)
+  MoE TP2 EP2 4       1     ipc                    + each expert all-gathered over expert-TP (with SP)
 
 After two SGD steps (lr 0.5: the weights move far from the checkpoint) and a sync, every engine
 samples and its behavior logprobs must equal the trainer's logprobs of the same tokens (≤ 1e-4,
@@ -42,6 +45,20 @@ def test_engine_serves_the_trainer_weights_after_sync(tiny_models, tp: int, pp: 
     assert len(result["synced_urls"]) == num_engines and result["failed_urls"] == []
     if transport != "disk":
         assert result["num_buckets"] >= 2 and result["bytes_sent"] > 0
+
+
+MOE_CASES = [(["--ep", "2"], 2, t) for t in ("ipc", "broadcast", "disk")] + [(["--tp", "2", "--sp", "--ep", "2"], 4, "ipc")]
+
+
+@pytest.mark.parametrize("layout,nproc,transport", MOE_CASES, ids=["ep2-ipc", "ep2-broadcast", "ep2-disk", "tp2sp-ep2-ipc"])
+def test_moe_experts_reach_the_engine(tiny_models, layout: list[str], nproc: int, transport: str) -> None:
+    proc = run_tool(["tools/weight_sync/verify.py", "--model-path", tiny_models["qwen3_moe"], *layout,
+                     "--transport", transport, "--version", "2"], nproc=nproc)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ep"] == 2 and result["weight_versions"] == ["2"]
+    assert result["max_abs_logprob_diff"] <= 1e-4 and result["probe_max_abs_logprob_diff"] <= 1e-4, result
+    if transport != "disk":  # 2 layers × 8 experts × 3 tensors + router, attention, norms, embedding
+        assert result["bytes_sent"] > 0 and result["num_buckets"] >= 2
 
 
 def test_the_comparison_is_not_vacuous(tiny_models) -> None:

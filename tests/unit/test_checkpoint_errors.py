@@ -40,8 +40,33 @@ def test_reads_supported_config(tmp_path) -> None:
 def test_unsupported_architecture_lists_supported(tmp_path) -> None:
     d = write_dir(tmp_path, {**CONFIG, "architectures": ["MistralForCausalLM"]})
     with pytest.raises(CheckpointError, match=r"'MistralForCausalLM' is not supported; supported: "
-                                              r"LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+                                              r"LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
         read_hf_spec(d)
+
+
+MOE_CONFIG = {**CONFIG, "architectures": ["Qwen3MoeForCausalLM"], "head_dim": 16, "num_experts": 8,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+              "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001}
+
+
+def test_reads_moe_config(tmp_path) -> None:
+    spec = read_hf_spec(write_dir(tmp_path / "a", MOE_CONFIG))
+    assert spec.family == "qwen3_moe" and spec.qk_norm
+    assert (spec.moe.num_experts, spec.moe.top_k, spec.moe.ffn_hidden_size, spec.moe.norm_topk_prob) == (8, 2, 32, True)
+    # transformers 5 writes num_local_experts instead of num_experts
+    renamed = {k: v for k, v in MOE_CONFIG.items() if k != "num_experts"} | {"num_local_experts": 4}
+    assert read_hf_spec(write_dir(tmp_path / "b", renamed)).moe.num_experts == 4
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("shared_expert_intermediate_size", 64, "shared_expert_intermediate_size=64: shared experts are not supported"),
+    ("mlp_only_layers", [1], r"mlp_only_layers=\[1\]: dense layers between MoE layers are not supported"),
+    ("decoder_sparse_step", 2, "decoder_sparse_step=2: dense layers between MoE layers"),
+    ("num_experts_per_tok", 9, "num_experts_per_tok=9 must be in 1..num_experts=8"),
+])
+def test_moe_variants_the_trainer_cannot_represent_are_named(tmp_path, field, value, message) -> None:
+    with pytest.raises(CheckpointError, match=message):
+        read_hf_spec(write_dir(tmp_path, {**MOE_CONFIG, field: value}))
 
 
 def test_missing_config_and_bad_json_name_the_file(tmp_path) -> None:
@@ -109,11 +134,12 @@ def test_check_parity_exits_nonzero_with_message(tmp_path, tiny_models) -> None:
     assert proc.returncode == 2 and "not divisible by parallel.tensor_model_parallel_size=3" in proc.stderr
 
 
-def test_make_tiny_model_is_deterministic(tmp_path, tiny_models) -> None:
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_make_tiny_model_is_deterministic(tmp_path, tiny_models, arch) -> None:
     again = tmp_path / "again"
-    run_tool(["tools/make_tiny_model.py", "--out", str(again), "--arch", "llama", "--seed", "0"])
+    run_tool(["tools/make_tiny_model.py", "--out", str(again), "--arch", arch, "--seed", "0"])
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
-        assert (again / name).read_bytes() == open(os.path.join(tiny_models["llama"], name), "rb").read(), name
+        assert (again / name).read_bytes() == open(os.path.join(tiny_models[arch], name), "rb").read(), name
     other = tmp_path / "other"
     run_tool(["tools/make_tiny_model.py", "--out", str(other), "--arch", "llama", "--seed", "1"])
     assert (other / "model.safetensors").read_bytes() != (again / "model.safetensors").read_bytes()

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from megatron_flash.buffer.sample_buffer import BufferClosed, SampleBuffer
 from megatron_flash.buffer.staleness import StalenessManager, staleness
 from megatron_flash.config.schema import RUN_MODES
-from megatron_flash.types import Group, collate
+from megatron_flash.types import Group, TrainBatch, collate
 
 if TYPE_CHECKING:
     from megatron_flash.config.schema import RunConfig
@@ -286,7 +286,7 @@ class Controller:
             total += len(g)
         return groups
 
-    def make_batch(self, groups: list[Group]) -> dict[str, torch.Tensor]:
+    def make_batch(self, groups: list[Group]) -> TrainBatch:
         from megatron_flash.losses import compute_advantages
 
         samples = [s for g in groups for s in g.samples]
@@ -298,19 +298,20 @@ class Controller:
                         pad_to_multiple=self.cfg.parallel.tensor_model_parallel_size)
         if not self.mode.trains:
             return batch
-        batch["staleness"] = torch.tensor([staleness(self.version, s.version_start) for s in samples])
+        batch = batch.replace(staleness=torch.tensor([staleness(self.version, s.version_start) for s in samples]))
         if self.loss.needs_proximal:  # π_prox = the weights this step starts from (version V)
-            batch["proximal_logprobs"] = self.policy.compute_logprobs(batch)[0] * batch["loss_mask"]
+            batch = batch.replace(proximal_logprobs=self.policy.compute_logprobs(batch)[0] * batch.loss_mask)
         if getattr(self.loss, "needs_reference", False):  # KL(π_θ‖π_ref) against the start checkpoint
-            batch["reference_logprobs"] = self.policy.compute_logprobs(batch, reference=True)[0] * batch["loss_mask"]
+            batch = batch.replace(
+                reference_logprobs=self.policy.compute_logprobs(batch, reference=True)[0] * batch.loss_mask)
         return batch
 
-    def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def train(self, batch: TrainBatch) -> dict[str, float]:
         if not self.mode.trains:
             return {}
         t, n = self.cfg.trainer, self.cfg.rollout.n_samples_per_prompt
         size = t.global_batch_size
-        fields = {k: v for k, v in batch.items() if k != "staleness"}
+        fields = batch.replace(staleness=None)  # for metrics only
         rng = random.Random(t.seed * 1_000_003 + self.version)
         sums: dict[str, float] = {}
         count = 0
@@ -322,7 +323,7 @@ class Controller:
             order = torch.tensor([g * n + i for g in groups for i in range(n)])
             for lo in range(0, self.batch_size, size):
                 idx = order[lo:lo + size]
-                metrics = self.policy.train_step({k: v[idx] for k, v in fields.items()}, self.loss_fn)
+                metrics = self.policy.train_step(fields.rows(idx), self.loss_fn)
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
@@ -371,7 +372,7 @@ class Controller:
         return out
 
     # ================================================================== tracking
-    def log(self, step: int, groups: list[Group], batch: dict[str, torch.Tensor], train_metrics: dict[str, float],
+    def log(self, step: int, groups: list[Group], batch: TrainBatch, train_metrics: dict[str, float],
             sync_metrics: dict[str, float], *, t_wait: float, t_train: float, t_step: float) -> dict[str, Any]:
         if self.rank != 0:
             return {}
@@ -389,10 +390,10 @@ class Controller:
             "time_rollout_wait": t_wait, "time_train": t_train, "time_step": t_step,
             "samples_per_s": len(samples) / max(t_step, 1e-9),
         }
-        if "proximal_logprobs" in batch and "train_infer_logprob_diff" not in sync_metrics:
-            fresh = (batch["staleness"] == 0).float()[:, None] * batch["loss_mask"]
+        if batch.proximal_logprobs is not None and "train_infer_logprob_diff" not in sync_metrics:
+            fresh = (batch.staleness == 0).float()[:, None] * batch.loss_mask
             if fresh.sum() > 0:  # same policy version on both sides: pure train/inference mismatch
-                d = (batch["proximal_logprobs"] - batch["behavior_logprobs"]).abs() * fresh
+                d = (batch.proximal_logprobs - batch.behavior_logprobs).abs() * fresh
                 m["train_infer_logprob_diff"] = float(d.sum() / fresh.sum())
         if self.runtime is not None:
             stats, engine = self.runtime.take_metrics()

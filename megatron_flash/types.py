@@ -2,14 +2,14 @@
 
 A `Sample` is one response to one prompt, token in / token out: the ids the engine generated are
 kept as generated (never re-tokenised), with the behavior logprob of each and the policy versions
-that produced them. `collate` right-pads a list of samples into the trainer's batch layout
-(per-token fields aligned with `tokens`; see megatron_flash/trainer/policy.py).
+that produced them. `collate` right-pads a list of samples into a `TrainBatch`, the trainer's batch
+(per-token fields aligned with `tokens`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -67,11 +67,80 @@ class Group:
         return len(self.samples)
 
 
+PER_TOKEN = ("tokens", "loss_mask", "behavior_logprobs", "advantages", "proximal_logprobs", "reference_logprobs")
+PER_SAMPLE = ("lengths", "rewards", "group_ids", "staleness")
+
+
+@dataclasses.dataclass
+class TrainBatch:
+    """What the trainer trains on: B samples right-padded to a width S (per-token fields [B, S],
+    column t belonging to token t), per-sample fields [B]. Optional fields are None when a step does
+    not compute them. The same type is each micro-batch's view handed to the loss."""
+
+    tokens: torch.Tensor
+    """[B, S] token ids (prompt + response), padded."""
+    loss_mask: torch.Tensor
+    """[B, S] 1 on the tokens that train (model-sampled response tokens), 0 elsewhere."""
+    lengths: Optional[torch.Tensor] = None
+    """[B] tokens of each sample (prompt + response); None = every row is full width."""
+    behavior_logprobs: Optional[torch.Tensor] = None
+    """[B, S] logprob of each token under the engine that sampled it (0 off the response)."""
+    advantages: Optional[torch.Tensor] = None
+    """[B, S] advantage of each token (0 off the response)."""
+    proximal_logprobs: Optional[torch.Tensor] = None
+    """[B, S] logprobs under the weights the step starts from (π_prox), when the loss needs them."""
+    reference_logprobs: Optional[torch.Tensor] = None
+    """[B, S] logprobs under the reference (start) weights, for a KL penalty."""
+    rewards: Optional[torch.Tensor] = None
+    """[B] reward of each sample."""
+    group_ids: Optional[torch.Tensor] = None
+    """[B] the group (prompt) each sample answers."""
+    staleness: Optional[torch.Tensor] = None
+    """[B] policy versions between the sample's generation start and this step."""
+
+    def __post_init__(self) -> None:
+        if self.tokens.dim() != 2:
+            raise ValueError(f"TrainBatch.tokens must be [B, S], got shape {tuple(self.tokens.shape)}")
+        b, s = self.tokens.shape
+        for name, value in self.fields():
+            want = (b, s) if name in PER_TOKEN else (b,)
+            if tuple(value.shape) != want:
+                raise ValueError(f"TrainBatch.{name} must have shape {want} (like tokens "
+                                 f"{tuple(self.tokens.shape)}), got {tuple(value.shape)}")
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def fields(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every field that is set."""
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
+
+    def replace(self, **changes: Optional[torch.Tensor]) -> "TrainBatch":
+        return dataclasses.replace(self, **changes)
+
+    def map(self, per_token: Callable[[torch.Tensor], torch.Tensor],
+            per_sample: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+            drop: Sequence[str] = ()) -> "TrainBatch":
+        """A new batch with `per_token` applied to every [B, S] field and `per_sample` (default: the
+        same function) to every [B] field; fields in `drop` become None."""
+        per_sample = per_sample or per_token
+        return TrainBatch(**{name: None if name in drop else (per_token if name in PER_TOKEN else per_sample)(value)
+                             for name, value in self.fields()})
+
+    def rows(self, index: Any) -> "TrainBatch":
+        """The samples at `index` (a slice, or a tensor of row indices), every field."""
+        return self.map(lambda t: t[index])
+
+    def to(self, device: torch.device) -> "TrainBatch":
+        return self.map(lambda t: t.to(device))
+
+
 def collate(samples: Sequence[Sample], *, pad_id: int, advantages: Optional[torch.Tensor] = None,
-            pad_to_multiple: int = 1) -> dict[str, torch.Tensor]:
-    """tokens, lengths [B], loss_mask, behavior_logprobs, rewards [B], group_ids [B], and advantages
-    per token. `pad_to_multiple` rounds the padded width up (the trainer's padded layout; packed
-    micro-batches use `lengths` and ignore the width)."""
+            pad_to_multiple: int = 1) -> TrainBatch:
+    """Right-pad samples into a TrainBatch (tokens, lengths, loss_mask, behavior_logprobs, rewards,
+    group_ids, and per-token advantages when given per sample). `pad_to_multiple` rounds the padded
+    width up (the trainer's padded layout; packed micro-batches use `lengths` and ignore the width)."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     width = max(lengths)
     width = -(-width // pad_to_multiple) * pad_to_multiple
@@ -84,16 +153,12 @@ def collate(samples: Sequence[Sample], *, pad_id: int, advantages: Optional[torc
         tokens[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
         mask[i, p : p + r] = 1.0 if s.response_mask is None else torch.tensor(s.response_mask, dtype=torch.float32)
         behavior[i, p : p + r] = torch.tensor(s.behavior_logprobs, dtype=torch.float32)
-    batch = {
-        "tokens": tokens,
-        "lengths": torch.tensor(lengths, dtype=torch.long),
-        "loss_mask": mask,
-        "behavior_logprobs": behavior,
-        "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),
-        "group_ids": torch.tensor([s.group_id for s in samples], dtype=torch.long),
-    }
+    per_token_adv = None
     if advantages is not None:
         if advantages.shape != (n,):
             raise ValueError(f"advantages must have shape ({n},), got {tuple(advantages.shape)}")
-        batch["advantages"] = advantages.float()[:, None] * mask
-    return batch
+        per_token_adv = advantages.float()[:, None] * mask
+    return TrainBatch(tokens=tokens, lengths=torch.tensor(lengths, dtype=torch.long), loss_mask=mask,
+                      behavior_logprobs=behavior, advantages=per_token_adv,
+                      rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+                      group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long))

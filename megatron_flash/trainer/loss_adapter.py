@@ -1,6 +1,6 @@
 """Adapt a registry loss to the trainer's per-micro-batch contract (the trainer never sees names).
 
-The micro-batch carries `loss_mask`, `behavior_logprobs`, `advantages` and optionally
+The micro-batch (a TrainBatch) carries `loss_mask`, `behavior_logprobs`, `advantages` and optionally
 `proximal_logprobs`, `rewards` [B], `reference_logprobs`; the returned function computes the
 per-token loss with the current logprobs, then `(loss_sum, denominator)` by the aggregation mode,
 so Megatron's per-token normalisation makes every micro-batch / DP split give the same gradient.
@@ -13,31 +13,34 @@ from typing import Optional
 import torch
 
 from megatron_flash.losses import Loss, aggregate
+from megatron_flash.types import TrainBatch
 
 
 def make_loss_fn(loss: Loss, *, aggregation: str = "token_mean"):
-    def loss_fn(mb: dict[str, torch.Tensor], logprobs: torch.Tensor, entropy: Optional[torch.Tensor]):
+    def loss_fn(mb: TrainBatch, logprobs: torch.Tensor, entropy: Optional[torch.Tensor]):
+        if mb.behavior_logprobs is None or mb.advantages is None:
+            raise ValueError("an RL loss needs the batch's behavior_logprobs and advantages")
         per_token, metrics = loss(
             logprobs=logprobs,
-            behavior_logprobs=mb["behavior_logprobs"],
-            advantages=mb["advantages"],
-            loss_mask=mb["loss_mask"],
-            rewards=mb.get("rewards"),
-            proximal_logprobs=mb.get("proximal_logprobs"),
-            reference_logprobs=mb.get("reference_logprobs"),
+            behavior_logprobs=mb.behavior_logprobs,
+            advantages=mb.advantages,
+            loss_mask=mb.loss_mask,
+            rewards=mb.rewards,
+            proximal_logprobs=mb.proximal_logprobs,
+            reference_logprobs=mb.reference_logprobs,
         )
-        loss_sum, denominator = aggregate(per_token, mb["loss_mask"], mode=aggregation)
+        loss_sum, denominator = aggregate(per_token, mb.loss_mask, mode=aggregation)
         if entropy is not None:
-            mask = mb["loss_mask"]
+            mask = mb.loss_mask
             metrics = {**metrics, "entropy": (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)}
         return loss_sum, denominator, metrics
 
     return loss_fn
 
 
-def nll_loss_fn(mb: dict[str, torch.Tensor], logprobs: torch.Tensor, entropy: Optional[torch.Tensor]):
+def nll_loss_fn(mb: TrainBatch, logprobs: torch.Tensor, entropy: Optional[torch.Tensor]):
     """Supervised next-token loss on `loss_mask` tokens (token mean over the global batch)."""
-    mask = mb["loss_mask"]
+    mask = mb.loss_mask
     return -(logprobs * mask).sum(), mask.sum().to(torch.int), {}
 
 

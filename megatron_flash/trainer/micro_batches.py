@@ -6,7 +6,7 @@ sample fields [B]; every rank holds all of it). A `Micro` is what one forward/ba
   model input   tokens / positions [r, T] (+ for a packed row, Megatron's `PackedSeqParams` in THD
                 layout: the samples' `cu_seqlens`, honoured by TE's attention and, on the local
                 spec, by megatron_flash/trainer/packed_attention.py)
-  loss view     `fields`: the micro-batch's samples as [n, w] / [n] slices of the global batch,
+  loss view     `fields`: the micro-batch's samples as a TrainBatch of [n, w] / [n] slices of the global batch,
                 exactly what a padded micro-batch gave the loss before packing existed, so losses
                 and aggregation never see the packing
   unpack        `unpack(x)` turns a per-position model output of the row ([1, T] or [1, T, V])
@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_flash.types import TrainBatch
 from megatron_flash.trainer.packing import (
     SampleTooLong,
     cu_seqlens,
@@ -38,7 +39,7 @@ from megatron_flash.trainer.packing import (
 class Micro:
     tokens: torch.Tensor  # [r, T] model input
     positions: torch.Tensor  # [r, T]
-    fields: dict[str, torch.Tensor]  # the loss's [n, w] / [n] view
+    fields: TrainBatch  # the loss's [n, w] / [n] view (no lengths)
     sample_ids: torch.Tensor  # [n] global row of each sample; -1 for filler rows (never reported)
     packed_seq_params: Any = None
     index: Optional[torch.Tensor] = None  # [n, w] positions in the packed row
@@ -73,13 +74,13 @@ class BatchingOptions:
     micro_batch_multiple: int = 1
 
 
-def sample_lengths(batch: dict[str, torch.Tensor], *, max_seq_len: int = 0) -> list[int]:
-    """Tokens of each sample (prompt + response): the batch's `lengths` field (set by `collate`)
-    when present, else the row width (every token of the row counts)."""
-    if "lengths" in batch:
-        lengths = [int(n) for n in batch["lengths"].tolist()]
+def sample_lengths(batch: TrainBatch, *, max_seq_len: int = 0) -> list[int]:
+    """Tokens of each sample (prompt + response): the batch's `lengths` (set by `collate`) when
+    present, else the row width (every token of the row counts)."""
+    if batch.lengths is not None:
+        lengths = [int(n) for n in batch.lengths.tolist()]
     else:
-        lengths = [int(batch["tokens"].shape[1])] * int(batch["tokens"].shape[0])
+        lengths = [int(batch.tokens.shape[1])] * batch.num_samples
     if max_seq_len:
         for i, n in enumerate(lengths):
             if n > max_seq_len:
@@ -88,7 +89,7 @@ def sample_lengths(batch: dict[str, torch.Tensor], *, max_seq_len: int = 0) -> l
     return lengths
 
 
-def build_micro_batches(batch: dict[str, torch.Tensor], opts: BatchingOptions, *, dp_rank: int,
+def build_micro_batches(batch: TrainBatch, opts: BatchingOptions, *, dp_rank: int,
                         dp_size: int, device: torch.device) -> list[Micro]:
     lengths = sample_lengths(batch, max_seq_len=opts.max_seq_len)
     if opts.pack:
@@ -96,34 +97,25 @@ def build_micro_batches(batch: dict[str, torch.Tensor], opts: BatchingOptions, *
     return _padded(batch, opts, dp_rank=dp_rank, dp_size=dp_size, device=device)
 
 
-def _fields(batch: dict[str, torch.Tensor], rows: torch.Tensor, width: int,
-            device: torch.device) -> dict[str, torch.Tensor]:
-    out = {}
-    for key, value in batch.items():
-        if key == "lengths":
-            continue
-        v = value[rows]
-        if v.dim() >= 2:
-            v = v[:, :width]
-        out[key] = v.to(device)
-    return out
+def _fields(batch: TrainBatch, rows: torch.Tensor, width: int, device: torch.device) -> TrainBatch:
+    return batch.map(lambda t: t[rows][:, :width].to(device), lambda t: t[rows].to(device), drop=("lengths",))
 
 
-def _packed(batch: dict[str, torch.Tensor], lengths: list[int], opts: BatchingOptions, *, dp_rank: int,
+def _packed(batch: TrainBatch, lengths: list[int], opts: BatchingOptions, *, dp_rank: int,
             dp_size: int, device: torch.device) -> list[Micro]:
     plan = plan_micro_batches(lengths, dp_size=dp_size, max_tokens=opts.max_tokens,
                               max_samples=opts.micro_batch_size, pad_multiple=opts.pad_multiple,
                               equal_rows=opts.equal_rows, equal_counts=opts.equal_counts,
                               min_micro_batches=opts.min_micro_batches,
                               micro_batch_multiple=opts.micro_batch_multiple)[dp_rank]
-    tokens = batch["tokens"]
+    tokens = batch.tokens
     micro = []
     for mb in plan:
         width = max(mb.lengths)
         rows = torch.tensor(mb.indices)
         fields = _fields(batch, rows, width, device)
         if mb.filler:  # trains nothing; its logprobs are never reported
-            fields["loss_mask"] = torch.zeros_like(fields["loss_mask"])
+            fields = fields.replace(loss_mask=torch.zeros_like(fields.loss_mask))
         row, positions = packed_inputs(mb, tokens, pad_id=0)
         index, valid = unpack_index(mb, width)
         m = Micro(tokens=row.to(device), positions=positions.to(device), fields=fields,
@@ -143,9 +135,9 @@ def packed_seq_params(segments: list[int], device: torch.device) -> Any:
                            max_seqlen_kv=longest)
 
 
-def _padded(batch: dict[str, torch.Tensor], opts: BatchingOptions, *, dp_rank: int, dp_size: int,
+def _padded(batch: TrainBatch, opts: BatchingOptions, *, dp_rank: int, dp_size: int,
             device: torch.device) -> list[Micro]:
-    tokens = batch["tokens"]
+    tokens = batch.tokens
     b, seq = tokens.shape
     width = round_up(seq, opts.pad_multiple)
     per_rank = -(-b // dp_size)
@@ -157,15 +149,14 @@ def _padded(batch: dict[str, torch.Tensor], opts: BatchingOptions, *, dp_rank: i
     real = ids < b
     rows = torch.where(real, ids, torch.zeros_like(ids))  # masked copies of row 0 fill the slice
     fields = _fields(batch, rows, seq, device)
-    fields["loss_mask"] = fields["loss_mask"] * real.to(device)[:, None]
+    fields = fields.replace(loss_mask=fields.loss_mask * real.to(device)[:, None])
     if width != seq:
-        fields = {k: (torch.nn.functional.pad(v, (0, width - seq)) if v.dim() >= 2 else v)
-                  for k, v in fields.items()}
+        fields = fields.map(lambda t: torch.nn.functional.pad(t, (0, width - seq)), lambda t: t)
     positions = torch.arange(width, device=device).unsqueeze(0).expand(mbs, width)
     micro = []
     for lo in range(0, per_rank, mbs):
-        part = {k: v[lo:lo + mbs] for k, v in fields.items()}
-        micro.append(Micro(tokens=part["tokens"], positions=positions, fields=part,
+        part = fields.rows(slice(lo, lo + mbs))
+        micro.append(Micro(tokens=part.tokens, positions=positions, fields=part,
                            sample_ids=torch.where(real[lo:lo + mbs], ids[lo:lo + mbs], -1)))
     return micro
 

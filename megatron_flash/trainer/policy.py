@@ -41,9 +41,18 @@ from megatron_flash.trainer.model_builder import (
     validate_layout,
 )
 from megatron_flash.hf.spec import HFModelSpec, read_hf_spec
+from megatron_flash.types import TrainBatch
 
-LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor, Optional[torch.Tensor]],
-                  tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+MicroBatchLossFn = Callable[[TrainBatch, torch.Tensor, Optional[torch.Tensor]],
+                            tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+"""(the micro-batch's samples, their logprobs [n, w], entropy or None) → (loss sum, denominator,
+metrics); trainer/loss_adapter.py makes one from a registry loss."""
+
+
+def _require_batch(batch: Any, what: str) -> TrainBatch:
+    if not isinstance(batch, TrainBatch):
+        raise TypeError(f"{what} takes a megatron_flash.types.TrainBatch, got {type(batch).__name__}")
+    return batch
 
 
 @dataclasses.dataclass
@@ -200,7 +209,7 @@ class MegatronPolicy:
             micro_batch_multiple=pp if interleaved else 1,
         )
 
-    def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[Micro]:
+    def _micro_batches(self, batch: TrainBatch) -> list[Micro]:
         return build_micro_batches(batch, self._batching(), dp_rank=self.layout.dp_rank,
                                    dp_size=self.layout.dp_size, device=self.device)
 
@@ -259,14 +268,15 @@ class MegatronPolicy:
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
-    def compute_logprobs(self, batch: dict[str, torch.Tensor], *, temperature: float = 1.0,
+    def compute_logprobs(self, batch: TrainBatch, *, temperature: float = 1.0,
                          with_entropy: bool = False,
                          reference: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Logprobs (and entropy) of `batch['tokens']`, [B, S] on every rank (0 past each sample's
+        """Logprobs (and entropy) of `batch.tokens`, [B, S] on every rank (0 past each sample's
         `lengths`), forward only; of the frozen start checkpoint instead of the trained weights when
         `reference`."""
-        view = {k: batch[k] for k in ("tokens", "lengths") if k in batch}
-        micro = self._micro_batches({**view, "loss_mask": torch.zeros_like(batch["tokens"], dtype=torch.float32)})
+        batch = _require_batch(batch, "compute_logprobs")
+        micro = self._micro_batches(TrainBatch(tokens=batch.tokens, lengths=batch.lengths,
+                                               loss_mask=torch.zeros_like(batch.tokens, dtype=torch.float32)))
 
         def factory(m: Micro) -> Callable[[torch.Tensor], Any]:
             def loss_func(output: torch.Tensor) -> Any:
@@ -277,7 +287,7 @@ class MegatronPolicy:
 
         store = self._run(micro, forward_only=True, loss_factory=factory,
                           chunks=self._reference_model() if reference else None)
-        shape = tuple(batch["tokens"].shape)
+        shape = tuple(batch.tokens.shape)
         lp = self._gather(micro, store, "logprobs", shape)
         return lp, (self._gather(micro, store, "entropy", shape) if with_entropy else None)
 
@@ -288,10 +298,8 @@ class MegatronPolicy:
         training path never does."""
         from megatron.core import parallel_state as ps
 
-        batch = {"tokens": tokens, "loss_mask": torch.zeros_like(tokens, dtype=torch.float32)}
-        if lengths is not None:
-            batch["lengths"] = lengths
-        micro = self._micro_batches(batch)
+        micro = self._micro_batches(TrainBatch(tokens=tokens, lengths=lengths,
+                                               loss_mask=torch.zeros_like(tokens, dtype=torch.float32)))
 
         def factory(m: Micro) -> Callable[[torch.Tensor], Any]:
             def loss_func(output: torch.Tensor) -> Any:
@@ -309,10 +317,10 @@ class MegatronPolicy:
         store = self._run(micro, forward_only=True, loss_factory=factory)
         return self._gather(micro, store, "logits", tuple(tokens.shape) + (self.spec.vocab_size,))
 
-    def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, temperature: float = 1.0,
+    def train_step(self, batch: TrainBatch, loss_fn: MicroBatchLossFn, *, temperature: float = 1.0,
                    with_entropy: bool = False) -> dict[str, float]:
         """One optimizer step on `batch`. Returns metrics (token-weighted means) on every rank."""
-        micro = self._micro_batches(batch)
+        micro = self._micro_batches(_require_batch(batch, "train_step"))
 
         def factory(m: Micro) -> Callable[[torch.Tensor], Any]:
             def loss_func(output: torch.Tensor) -> Any:

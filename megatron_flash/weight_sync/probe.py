@@ -84,8 +84,10 @@ def run_probe(policy: Any, urls: Sequence[str], *, api_key: Optional[str], timeo
     """Trainer (every rank, collective) vs every engine in `urls` (rank 0 asks them). On rank 0:
     (max, mean, worst url, {url: error} of engines that could not answer), or a message (str) when
     the probe could not run at all; None on other ranks. The caller broadcasts the result."""
+    from megatron_flash.types import TrainBatch
+
     tokens = probe_tokens(policy.spec.vocab_size)
-    trainer, _ = policy.compute_logprobs({"tokens": tokens})
+    trainer, _ = policy.compute_logprobs(TrainBatch(tokens=tokens, loss_mask=torch.zeros(tokens.shape)))
     if not rank0:
         return None
 

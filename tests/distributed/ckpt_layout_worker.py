@@ -25,16 +25,18 @@ from megatron_flash.config.schema import OptimizerConfig  # noqa: E402
 from megatron_flash.trainer import checkpoint as ckpt  # noqa: E402
 from megatron_flash.trainer.distributed import destroy_distributed  # noqa: E402
 from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings  # noqa: E402
+from megatron_flash.types import TrainBatch  # noqa: E402
 from tests.distributed.layout_worker import weighted_nll  # noqa: E402
 
 
-def batch(vocab: int, seed: int) -> dict[str, torch.Tensor]:
+def batch(vocab: int, seed: int) -> TrainBatch:
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (8, 16), generator=gen)
     mask = torch.zeros(8, 16)
     for i in range(8):
         mask[i, 4: 6 + i] = 1.0
-    return {"tokens": tokens, "loss_mask": mask, "weights": torch.randn(8, 16, generator=gen)}
+    # weighted_nll weights each token's logprob by its `advantages` entry
+    return TrainBatch(tokens=tokens, loss_mask=mask, advantages=torch.randn(8, 16, generator=gen))
 
 
 def main() -> None:

@@ -22,9 +22,10 @@ from megatron_flash.config.schema import OptimizerConfig  # noqa: E402
 from megatron_flash.trainer.distributed import destroy_distributed  # noqa: E402
 from megatron_flash.trainer.model_builder import MoEOptions, ScaleOptions  # noqa: E402
 from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings  # noqa: E402
+from megatron_flash.types import TrainBatch  # noqa: E402
 
 
-def fixed_batch(vocab: int) -> dict[str, torch.Tensor]:
+def fixed_batch(vocab: int) -> TrainBatch:
     gen = torch.Generator().manual_seed(123)
     tokens = torch.randint(0, vocab, (8, 16), generator=gen)
     mask = torch.zeros(8, 16)
@@ -32,18 +33,19 @@ def fixed_batch(vocab: int) -> dict[str, torch.Tensor]:
     for i, n in enumerate(lengths.tolist()):
         mask[i, 4:n] = 1.0
     weights = torch.randn(8, 16, generator=gen)
-    return {"tokens": tokens, "lengths": lengths, "loss_mask": mask, "weights": weights}
+    # the fixed loss's per-token weights travel as `advantages` (weighted_nll reads them there)
+    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=mask, advantages=weights)
 
 
-def weighted_nll(mb: dict[str, torch.Tensor], logprobs: torch.Tensor, entropy: object):
-    mask = mb["loss_mask"]
-    return -(mb["weights"] * logprobs * mask).sum(), mask.sum(), {}
+def weighted_nll(mb: TrainBatch, logprobs: torch.Tensor, entropy: object):
+    mask = mb.loss_mask
+    return -(mb.advantages * logprobs * mask).sum(), mask.sum(), {}
 
 
-def rl_fields(batch: dict[str, torch.Tensor], logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
+def rl_fields(batch: TrainBatch, logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
     """An off-policy RL batch: behavior logprobs = current ones perturbed, ± rewards, per-sequence A."""
     gen = torch.Generator().manual_seed(7)
-    mask = batch["loss_mask"]
+    mask = batch.loss_mask
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0])
     adv = torch.randn(8, generator=gen)
     return {
@@ -102,7 +104,7 @@ def main() -> None:
             except ValueError:
                 params[key] = value
         loss_fn = make_loss_fn(get_loss(args.loss, **params), aggregation=args.aggregation)
-        batch.update(rl_fields(batch, logprobs))
+        batch = batch.replace(**rl_fields(batch, logprobs))
     metrics = policy.train_step(batch, loss_fn)
     policy.export_hf(os.path.join(args.out, "export1"))
     if dist.get_rank() == 0:

@@ -106,10 +106,10 @@ def test_agentic_run_trains_only_the_action_tokens(tiny_models, tmp_path) -> Non
     batch = collate(samples, pad_id=tok.pad_token_id)
     for i, s in enumerate(samples):
         p = len(s.prompt_ids)
-        expected = torch.zeros(batch["tokens"].shape[1])
+        expected = torch.zeros(batch.tokens.shape[1])
         expected[p:p + len(s.response_ids)] = torch.tensor(s.response_mask, dtype=torch.float32)
-        assert torch.equal(batch["loss_mask"][i], expected)
-    assert int(batch["loss_mask"].sum()) == sum(sum(s.response_mask) for s in samples)
+        assert torch.equal(batch.loss_mask[i], expected)
+    assert int(batch.loss_mask.sum()) == sum(sum(s.response_mask) for s in samples)
 
 
 def test_env_failures_and_hangs_are_counted_and_the_run_finishes(tiny_models, tmp_path) -> None:

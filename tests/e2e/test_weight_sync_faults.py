@@ -121,6 +121,7 @@ def _main() -> int:
     from megatron_flash.trainer.distributed import destroy_distributed
     from megatron_flash.ports import free_ports
     from megatron_flash.trainer.loss_adapter import nll_loss_fn
+    from megatron_flash.types import TrainBatch
     from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
     from megatron_flash.weight_sync.bridge import WeightBridge, WeightSyncError
 
@@ -148,7 +149,7 @@ def _main() -> int:
     def step() -> None:
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(4, policy.spec.vocab_size, (8, 12), generator=gen)
-        policy.train_step({"tokens": tokens, "loss_mask": torch.ones(8, 12)}, nll_loss_fn)
+        policy.train_step(TrainBatch(tokens=tokens, loss_mask=torch.ones(8, 12)), nll_loss_fn)
 
     def serves(url: str) -> dict:
         """The engine samples; its behavior logprobs must be the trainer's. Collective."""
@@ -163,7 +164,8 @@ def _main() -> int:
         dist.broadcast_object_list(box, src=0)
         worst = 0.0
         for prompt, ids, engine_lp, _ in box[0]:
-            lp, _ = policy.compute_logprobs({"tokens": torch.tensor([prompt + ids])})
+            seq = torch.tensor([prompt + ids])
+            lp, _ = policy.compute_logprobs(TrainBatch(tokens=seq, loss_mask=torch.zeros(seq.shape)))
             worst = max(worst, (lp[0, len(prompt):].double() - torch.tensor(engine_lp, dtype=torch.float64)).abs().max().item())
         return {"version": box[0][0][3], "ok": worst <= 1e-4}
 

@@ -10,6 +10,7 @@ import torch
 
 from megatron_flash.config import load_config
 from megatron_flash.trainer.loss_adapter import build_loss, build_loss_fn
+from megatron_flash.types import TrainBatch
 from tests.conftest import REPO
 
 
@@ -35,8 +36,9 @@ def test_loss_fn_follows_the_per_token_contract() -> None:
     cfg = load_config(None, ["loss.name=reinforce"])
     _, loss_fn = build_loss_fn(cfg.loss)
     lp = torch.tensor([[0.0, -1.0, -2.0, 0.0]], requires_grad=True)
-    mb = {"loss_mask": torch.tensor([[0.0, 1.0, 1.0, 0.0]]), "behavior_logprobs": torch.zeros(1, 4),
-          "advantages": torch.tensor([[0.0, 2.0, 2.0, 0.0]]), "rewards": torch.tensor([1.0])}
+    mb = TrainBatch(tokens=torch.zeros(1, 4, dtype=torch.long), loss_mask=torch.tensor([[0.0, 1.0, 1.0, 0.0]]),
+                    behavior_logprobs=torch.zeros(1, 4), advantages=torch.tensor([[0.0, 2.0, 2.0, 0.0]]),
+                    rewards=torch.tensor([1.0]))
     loss_sum, denom, _ = loss_fn(mb, lp, None)
     assert loss_sum.item() == pytest.approx(-(2.0 * -1.0 + 2.0 * -2.0))  # −A·logπ summed
     assert int(denom) == 2

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_flash.trainer.micro_batches import BatchingOptions, build_micro_batches
+from megatron_flash.types import TrainBatch
 from megatron_flash.trainer.packing import (
     MicroBatch,
     SampleTooLong,
@@ -51,8 +52,8 @@ def test_equal_rows_pad_multiple_and_fillers() -> None:
 def test_sample_longer_than_budget_is_an_error_naming_it() -> None:
     with pytest.raises(SampleTooLong, match="sample 1 has 30 tokens .* trainer.max_tokens_per_micro_batch=20"):
         plan_micro_batches([10, 30], dp_size=1, max_tokens=20, max_samples=4)
-    batch = {"tokens": torch.zeros(2, 30, dtype=torch.long), "lengths": torch.tensor([10, 30]),
-             "loss_mask": torch.zeros(2, 30)}
+    batch = TrainBatch(tokens=torch.zeros(2, 30, dtype=torch.long), lengths=torch.tensor([10, 30]),
+                       loss_mask=torch.zeros(2, 30))
     with pytest.raises(SampleTooLong, match="sample 1 has 30 tokens .* trainer.max_seq_len=16"):
         build_micro_batches(batch, BatchingOptions(max_seq_len=16), dp_rank=0, dp_size=1, device=torch.device("cpu"))
 
@@ -73,13 +74,13 @@ def test_packed_row_positions_and_unpack() -> None:
 
 
 def test_micro_batch_fields_are_the_loss_view() -> None:
-    batch = {"tokens": torch.arange(12).view(3, 4), "lengths": torch.tensor([4, 2, 3]),
-             "loss_mask": torch.ones(3, 4), "rewards": torch.tensor([1.0, 2.0, 3.0])}
+    batch = TrainBatch(tokens=torch.arange(12).view(3, 4), lengths=torch.tensor([4, 2, 3]),
+                       loss_mask=torch.ones(3, 4), rewards=torch.tensor([1.0, 2.0, 3.0]))
     (m,) = build_micro_batches(batch, BatchingOptions(micro_batch_size=8), dp_rank=0, dp_size=1,
                                device=torch.device("cpu"))
     assert m.tokens.tolist() == [[0, 1, 2, 3, 8, 9, 10, 4, 5]]  # longest first: 4, 3, 2 tokens
-    assert m.fields["rewards"].tolist() == [1.0, 3.0, 2.0]
-    assert m.fields["tokens"].shape == (3, 4) and "lengths" not in m.fields
+    assert m.fields.rewards.tolist() == [1.0, 3.0, 2.0]
+    assert m.fields.tokens.shape == (3, 4) and m.fields.lengths is None
     lp = torch.arange(1.0, 10.0).view(1, 9)
     assert m.unpack(lp).tolist() == [[0, 2, 3, 4], [0, 6, 7, 0], [0, 9, 0, 0]]
     assert m.packed_seq_params.cu_seqlens_q.tolist() == [0, 4, 7, 9]

@@ -58,6 +58,7 @@ def main() -> int:
     from megatron_flash.trainer.loss_adapter import nll_loss_fn
     from megatron_flash.trainer.model_builder import MoEOptions, ScaleOptions
     from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
+    from megatron_flash.types import TrainBatch
     from megatron_flash.weight_sync.bridge import WeightBridge
 
     policy = MegatronPolicy(PolicySettings(hf_path=args.model_path, tp_size=args.tp, pp_size=args.pp,
@@ -80,7 +81,7 @@ def main() -> int:
     try:
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(4, policy.spec.vocab_size, (8, 12), generator=gen)
-        batch = {"tokens": tokens, "loss_mask": torch.ones(8, 12)}
+        batch = TrainBatch(tokens=tokens, loss_mask=torch.ones(8, 12))
         for _ in range(args.steps):
             policy.train_step(batch, nll_loss_fn)
         bridge = WeightBridge(policy, urls, transport=args.transport, bucket_mb=args.bucket_mb,
@@ -100,7 +101,7 @@ def main() -> int:
         worst = 0.0
         for prompt, out_ids, engine_lp, _ in samples[0]:
             seq = torch.tensor([prompt + out_ids])
-            lp, _ = policy.compute_logprobs({"tokens": seq})
+            lp, _ = policy.compute_logprobs(TrainBatch(tokens=seq, loss_mask=torch.zeros(seq.shape)))
             trainer_lp = lp[0, len(prompt):]
             worst = max(worst, (trainer_lp.double() - torch.tensor(engine_lp, dtype=torch.float64)).abs().max().item())
         code = 0 if worst <= args.tol else 1

@@ -59,7 +59,9 @@ def main() -> int:
         policy = MegatronPolicy(PolicySettings(hf_path=args.hf_dir, tp_size=args.tp, pp_size=args.pp,
                                                dtype=args.dtype, micro_batch_size=args.batch, pack_sequences=args.pack,
                                                scale=ScaleOptions(virtual_pipeline_size=args.vpp, sequence_parallel=args.sp),
-                                               moe=MoEOptions(ep_size=args.ep, etp_size=args.etp)))
+                                               # forward only: the load-balancing loss plays no part
+                                               moe=MoEOptions(ep_size=args.ep, etp_size=args.etp, aux_loss_coeff=0.0)
+                                               if args.ep > 1 else MoEOptions(etp_size=args.etp)))
     except (CheckpointError, ValueError) as e:
         print(f"check_parity: {e}", file=sys.stderr)
         return 2

@@ -31,7 +31,7 @@ WEIGHT_TRANSPORTS = ("ipc", "broadcast", "disk")
 WANDB_MODES = ("offline", "online", "disabled")
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
-MOE_DISPATCHERS = ("allgather", "alltoall")
+MOE_DISPATCHERS = ("auto", "allgather", "alltoall")
 
 
 
@@ -119,9 +119,9 @@ class ModelConfig(_Section):
     moe_aux_loss_coeff: Optional[float] = None
     """MoE models: coefficient of the load-balancing (aux) loss added to the policy loss; null = the
     checkpoint's router_aux_loss_coef. Rejected for a dense model."""
-    moe_token_dispatcher: str = "allgather"
-    """MoE models: how tokens reach their experts across expert-parallel ranks: allgather (works on
-    gloo/CPU) | alltoall (NCCL)."""
+    moe_token_dispatcher: str = "auto"
+    """MoE models: how tokens reach their experts across expert-parallel ranks: auto (alltoall with
+    CUDA, allgather without) | allgather | alltoall (needs CUDA)."""
 
     def __post_init__(self) -> None:
         # YAML `true`/`false` arrive as bools, which OmegaConf turns into 'True'/'False'.

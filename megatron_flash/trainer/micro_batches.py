@@ -44,6 +44,7 @@ class Micro:
     packed_seq_params: Any = None
     index: Optional[torch.Tensor] = None  # [n, w] positions in the packed row
     valid: Optional[torch.Tensor] = None  # [n, w]
+    real: Optional[torch.Tensor] = None  # [r, T] bool: a sample's token (not padding, not a filler)
 
     @property
     def row_len(self) -> int:
@@ -118,8 +119,9 @@ def _packed(batch: TrainBatch, lengths: list[int], opts: BatchingOptions, *, dp_
             fields = fields.replace(loss_mask=torch.zeros_like(fields.loss_mask))
         row, positions = packed_inputs(mb, tokens, pad_id=0)
         index, valid = unpack_index(mb, width)
+        real = torch.arange(mb.row_len)[None, :] < (0 if mb.filler else mb.num_tokens)
         m = Micro(tokens=row.to(device), positions=positions.to(device), fields=fields,
-                  sample_ids=torch.full((1,), -1) if mb.filler else rows, index=index, valid=valid)
+                  sample_ids=torch.full((1,), -1) if mb.filler else rows, index=index, valid=valid, real=real)
         m.packed_seq_params = packed_seq_params(mb.segment_lengths(), device)
         micro.append(m)
     return micro
@@ -153,11 +155,14 @@ def _padded(batch: TrainBatch, opts: BatchingOptions, *, dp_rank: int, dp_size: 
     if width != seq:
         fields = fields.map(lambda t: torch.nn.functional.pad(t, (0, width - seq)), lambda t: t)
     positions = torch.arange(width, device=device).unsqueeze(0).expand(mbs, width)
+    lengths = torch.tensor(sample_lengths(batch))[rows] * real
+    tokens_real = torch.arange(width)[None, :] < lengths[:, None]
     micro = []
     for lo in range(0, per_rank, mbs):
         part = fields.rows(slice(lo, lo + mbs))
         micro.append(Micro(tokens=part.tokens, positions=positions, fields=part,
-                           sample_ids=torch.where(real[lo:lo + mbs], ids[lo:lo + mbs], -1)))
+                           sample_ids=torch.where(real[lo:lo + mbs], ids[lo:lo + mbs], -1),
+                           real=tokens_real[lo:lo + mbs]))
     return micro
 
 

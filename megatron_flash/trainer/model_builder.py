@@ -32,7 +32,7 @@ class MoEOptions:
     ep_size: int = 1
     etp_size: Optional[int] = None  # None = the TP size
     aux_loss_coeff: Optional[float] = None  # None = the checkpoint's router_aux_loss_coef
-    token_dispatcher: str = "allgather"
+    token_dispatcher: str = "auto"  # auto = alltoall with CUDA, allgather without
 
 
 def validate_layout(spec: HFModelSpec, *, tp_size: int, pp_size: int, vpp_size: Optional[int] = None,
@@ -55,6 +55,17 @@ def validate_layout(spec: HFModelSpec, *, tp_size: int, pp_size: int, vpp_size: 
                              f"{spec.architecture} is dense")
     else:
         etp = tp_size if moe.etp_size is None else moe.etp_size
+        dispatcher = moe_dispatcher(moe)
+        if dispatcher == "alltoall" and not torch.cuda.is_available():
+            raise ValueError("model.moe_token_dispatcher=alltoall needs CUDA (megatron-core's all-to-all "
+                             "dispatcher uses CUDA streams); use allgather on CPU")
+        aux = spec.moe.aux_loss_coef if moe.aux_loss_coeff is None else moe.aux_loss_coeff
+        if moe.ep_size > 1 and dispatcher == "allgather" and aux > 0:
+            # Measured on megatron-core 0.16.1 (gloo): the gradient grows with the coefficient, about
+            # 1e5 times what EP1 gives for the same batch (docs/moe.md). Refused rather than trained wrong.
+            raise ValueError(f"model.moe_aux_loss_coeff={aux:g} (the load-balancing loss) with "
+                             f"parallel.expert_model_parallel_size={moe.ep_size} and the allgather token dispatcher "
+                             "gives wrong gradients; set model.moe_aux_loss_coeff=0 or use the alltoall dispatcher (CUDA)")
         if tp_size > 1 and not sequence_parallel:  # Megatron's MoE layer refuses to train otherwise
             raise ValueError(f"parallel.tensor_model_parallel_size={tp_size} with a mixture-of-experts model needs "
                              "parallel.sequence_parallel=true")
@@ -136,6 +147,12 @@ class ScaleOptions:
         return kwargs
 
 
+def moe_dispatcher(moe: MoEOptions) -> str:
+    if moe.token_dispatcher == "auto":
+        return "alltoall" if torch.cuda.is_available() else "allgather"
+    return moe.token_dispatcher
+
+
 def moe_config_kwargs(spec: HFModelSpec, moe: MoEOptions) -> dict[str, Any]:
     """TransformerConfig's MoE fields (none for a dense model)."""
     if spec.moe is None:
@@ -152,7 +169,7 @@ def moe_config_kwargs(spec: HFModelSpec, moe: MoEOptions) -> dict[str, Any]:
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=m.aux_loss_coef if moe.aux_loss_coeff is None else moe.aux_loss_coeff,
         moe_router_dtype="fp32",
-        moe_token_dispatcher_type=moe.token_dispatcher,
+        moe_token_dispatcher_type=moe_dispatcher(moe),
         moe_grouped_gemm=False,
         expert_model_parallel_size=moe.ep_size,
         expert_tensor_parallel_size=moe.etp_size,

@@ -32,6 +32,7 @@ from megatron_flash.trainer.micro_batches import BatchingOptions, Micro, build_m
 from megatron_flash.trainer.model_builder import (
     DTYPES,
     MoEOptions,
+    moe_dispatcher,
     ScaleOptions,
     build_gpt_stage,
     padded_vocab_size,
@@ -126,6 +127,12 @@ class MegatronPolicy:
         # its own DDP wrapper, the optimizer and the schedule take the list.
         self.chunks: list[Any] = self._wrap_ddp(self._build_chunks())
         self.optimizer, self.scheduler = self._build_optimizer()
+        self.router_stats = None
+        if self.spec.moe is not None:
+            from megatron_flash.trainer.moe_metrics import RouterStats
+
+            self.router_stats = RouterStats(self.chunks, num_layers=self.spec.num_layers,
+                                            num_experts=self.spec.moe.num_experts)
         self._reference: Optional[list[torch.nn.Module]] = None
 
     @property
@@ -201,7 +208,7 @@ class MegatronPolicy:
         interleaved = len(self.chunks) > 1  # the interleaved schedule groups micro-batches by PP
         # Expert parallel: token dispatch is a collective across DP ranks in every micro-batch, and the
         # all-gather dispatcher needs the same token count on every rank.
-        allgather = ep > 1 and s.moe.token_dispatcher == "allgather"
+        allgather = ep > 1 and moe_dispatcher(s.moe) == "allgather"
         return BatchingOptions(
             pack=s.pack_sequences, micro_batch_size=s.micro_batch_size, max_tokens=s.max_tokens_per_micro_batch,
             max_seq_len=s.max_seq_len, pad_multiple=s.tp_size,  # sequence parallel splits rows over TP
@@ -231,9 +238,11 @@ class MegatronPolicy:
         return lp, ent
 
     @staticmethod
-    def _forward_step(loss_factory: Callable[[Micro], Callable[[torch.Tensor], Any]],
+    def _forward_step(loss_factory: Callable[[Micro], Callable[[torch.Tensor], Any]], router_stats: Any,
                       data: Iterator[Micro], model: Any) -> tuple[torch.Tensor, Any]:
         m = next(data)
+        if router_stats is not None:  # the routers of this forward see this micro-batch's tokens
+            router_stats.current = m.real
         output = model(m.tokens, m.positions, attention_mask=None,
                        packed_seq_params=m.packed_seq_params)
         return output, loss_factory(m)
@@ -247,7 +256,7 @@ class MegatronPolicy:
         # Every chunk of an interleaved stage reads the same micro-batch sequence.
         data = [iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro)
         return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, loss_factory), data_iterator=data,
+            forward_step_func=partial(self._forward_step, loss_factory, self.router_stats), data_iterator=data,
             model=chunks, num_microbatches=len(micro), seq_length=micro[0].row_len,
             micro_batch_size=int(micro[0].tokens.shape[0]), forward_only=forward_only,
         )
@@ -335,6 +344,8 @@ class MegatronPolicy:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.router_stats is not None:
+            self.router_stats.reset()
         store = self._run(micro, forward_only=False, loss_factory=factory)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
         update_ok, grad_norm, _ = self.optimizer.step()
@@ -343,6 +354,8 @@ class MegatronPolicy:
         metrics["lr"] = lr
         metrics["micro_batches"] = float(len(micro))
         metrics["tokens_computed"] = float(sum(m.tokens.numel() for m in micro))
+        if self.router_stats is not None:
+            metrics.update(self.router_stats.collect(len(micro), self.device))
         return metrics
 
     def _reduce_metrics(self, store: list[dict[str, torch.Tensor]], *, grad_norm: Any, update_ok: bool) -> dict[str, float]:

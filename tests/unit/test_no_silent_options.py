@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from megatron_flash.config import ConfigError, load_config
 from megatron_flash.config.schema import ParallelConfig, TrainerConfig
@@ -149,19 +150,28 @@ def test_scale_errors_name_the_field_and_the_reason() -> None:
 def test_expert_fields_reach_megatron_for_a_moe_model() -> None:
     default = megatron_view([], MOE_SPEC)["TransformerConfig"]
     assert (default["num_moe_experts"], default["moe_router_topk"], default["moe_router_pre_softmax"]) == (8, 2, False)
-    ep = megatron_view(["parallel.expert_model_parallel_size=2"], MOE_SPEC)
+    ep = megatron_view(["parallel.expert_model_parallel_size=2", "model.moe_aux_loss_coeff=0"], MOE_SPEC)
     assert ep["TransformerConfig"]["expert_model_parallel_size"] == 2 and ep["initialize_model_parallel"][-2] == 2
     etp = megatron_view(["parallel.expert_tensor_parallel_size=2"], MOE_SPEC)
     assert etp["TransformerConfig"]["expert_tensor_parallel_size"] == 2
     aux = megatron_view(["model.moe_aux_loss_coeff=0.01"], MOE_SPEC)["TransformerConfig"]
     assert aux["moe_aux_loss_coeff"] == 0.01 and default["moe_aux_loss_coeff"] == 0.001
-    assert megatron_view(["model.moe_token_dispatcher=alltoall"], MOE_SPEC)["TransformerConfig"][
-        "moe_token_dispatcher_type"] == "alltoall"
+    assert default["moe_token_dispatcher_type"] == ("alltoall" if torch.cuda.is_available() else "allgather")
+    if torch.cuda.is_available():
+        assert megatron_view(["model.moe_token_dispatcher=alltoall"], MOE_SPEC)["TransformerConfig"][
+            "moe_token_dispatcher_type"] == "alltoall"
+    else:
+        with pytest.raises(ValueError, match="model.moe_token_dispatcher=alltoall needs CUDA"):
+            megatron_view(["model.moe_token_dispatcher=alltoall"], MOE_SPEC)
 
 
 def test_moe_layout_rules_name_what_failed() -> None:
     with pytest.raises(ValueError, match="num_experts=8 is not divisible by parallel.expert_model_parallel_size=3"):
-        megatron_view(["parallel.expert_model_parallel_size=3"], MOE_SPEC)
+        megatron_view(["parallel.expert_model_parallel_size=3", "model.moe_aux_loss_coeff=0"], MOE_SPEC)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"model.moe_aux_loss_coeff=0.001 \(the load-balancing loss\) with "
+                                             "parallel.expert_model_parallel_size=2 and the allgather"):
+            megatron_view(["parallel.expert_model_parallel_size=2"], MOE_SPEC)
     with pytest.raises(ValueError, match="moe_intermediate_size=32 is not divisible by "
                                          "parallel.expert_tensor_parallel_size=3"):
         megatron_view(["parallel.expert_tensor_parallel_size=3"], MOE_SPEC)

@@ -63,7 +63,10 @@ def main() -> int:
 
     policy = MegatronPolicy(PolicySettings(hf_path=args.model_path, tp_size=args.tp, pp_size=args.pp,
                                            micro_batch_size=8, optimizer=OptimizerConfig(name="sgd", lr=0.5),
-                                           moe=MoEOptions(ep_size=args.ep, etp_size=args.etp),
+                                           # EP with the allgather dispatcher trains without the
+                                           # load-balancing loss (docs/moe.md)
+                                           moe=MoEOptions(ep_size=args.ep, etp_size=args.etp,
+                                                          aux_loss_coeff=0.0 if args.ep > 1 else None),
                                            scale=ScaleOptions(sequence_parallel=args.sp)))
     rank0 = dist.get_rank() == 0
     tmp = tempfile.mkdtemp(prefix="mf_verify_") if rank0 else ""

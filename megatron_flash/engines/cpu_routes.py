@@ -1,0 +1,248 @@
+"""The CPU engine server's routes (SGLang 0.5.23's native API), one small function each, over the
+`CpuEngine` in `request.app.state.engine`. Replies take SGLang's shapes: `{"success", "message"}` for
+weight and control calls, `{"error": {"message"}}` (400) for a bad /generate, FastAPI's validation
+shape (400) for a body that is not a JSON object or lacks a required field.
+"""
+
+import asyncio
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from megatron_flash.engines import generate_request as gen
+
+router = APIRouter()
+
+
+class BodyError(Exception):
+    """A request body that is not a JSON object, or lacks a required field."""
+
+
+def bad_request(message: str) -> JSONResponse:
+    # SGLang's shape for a body FastAPI cannot validate (its RequestValidationError handler).
+    return JSONResponse({"object": "error", "message": message, "type": "Bad Request", "param": None,
+                         "code": 400}, status_code=400)
+
+
+async def on_body_error(request: Request, error: BodyError) -> JSONResponse:
+    return bad_request(str(error))
+
+
+def value_error(error: Exception) -> JSONResponse:
+    return JSONResponse({"error": {"message": str(error)}}, status_code=400)  # SGLang _create_error_response
+
+
+def outcome(success: bool, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"success": success, "message": message, **extra}, status_code=200 if success else 400)
+
+
+async def body_of(request: Request, *required: str) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise BodyError(f"JSON decode error: {error}") from None
+    if not isinstance(body, dict):
+        raise BodyError(f"request body must be a JSON object, got {type(body).__name__}")
+    missing = [k for k in required if k not in body]
+    if missing:
+        raise BodyError(f"missing required field(s): {', '.join(missing)}")
+    return body
+
+
+def engine_of(request: Request) -> Any:
+    return request.app.state.engine
+
+
+# ---------------------------------------------------------------- status
+@router.get("/health")
+@router.get("/health_generate")
+@router.get("/ready")
+async def health(request: Request) -> Response:
+    return Response(status_code=200 if engine_of(request).healthy() else 503)
+
+
+@router.get("/model_info")
+@router.get("/get_model_info")
+async def model_info(request: Request) -> dict:
+    from megatron_flash.engines.cpu_engine import model_summary
+
+    return model_summary(engine_of(request))
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def server_info(request: Request) -> dict:
+    engine = engine_of(request)
+    return {"model_path": engine.model_path, "context_length": engine.capacity,
+            "max_total_num_tokens": engine.num_blocks * engine.page_size, "page_size": engine.page_size,
+            "max_batch_tokens": engine.max_batch_tokens, "weight_version": engine.weight_version,
+            "version": "megatron-flash-cpu", "internal_states": [],
+            "memory_released": sorted(engine._released), "memory_releases": engine.num_releases,
+            **engine.memory_bytes()}
+
+
+# ---------------------------------------------------------------- generation
+@router.api_route("/generate", methods=["POST", "PUT"])
+async def generate(request: Request) -> Any:
+    engine, body = engine_of(request), await body_of(request)
+    try:
+        items = gen.parse_generate(engine, body)
+    except (ValueError, TypeError) as error:
+        return value_error(error)
+    single = len(items) == 1 and gen.is_single(body)
+    if body.get("stream"):
+        if not single:
+            return value_error(ValueError("stream=true is supported for a single prompt only"))
+        return StreamingResponse(gen.stream_one(engine, items[0]), media_type="text/event-stream")
+    try:
+        outs = await asyncio.gather(*(gen.run_one(engine, item) for item in items))
+    except ValueError as error:
+        return value_error(error)
+    return JSONResponse(outs[0] if single else list(outs))
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> Response:
+    body = await body_of(request)
+    engine_of(request).abort(rid=str(body.get("rid") or ""), abort_all=bool(body.get("abort_all", False)))
+    return Response(status_code=200)
+
+
+@router.post("/pause_generation")
+async def pause_generation(request: Request) -> Any:
+    body = await body_of(request)
+    try:
+        await engine_of(request).pause(body.get("mode", "abort"))
+    except ValueError as error:
+        return bad_request(str(error))
+    return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+
+@router.post("/continue_generation")
+async def continue_generation(request: Request) -> Any:
+    await body_of(request)
+    await engine_of(request).resume()
+    return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> Response:
+    # No prefix cache is kept (block sharing off), so a flush only has to refuse while requests hold KV.
+    if engine_of(request).holds_kv():
+        return Response("Flush cache failed.\n", status_code=400)
+    return Response("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                    "waiting requests, the operation will not be performed.)\n", status_code=200)
+
+
+# ---------------------------------------------------------------- memory occupation (colocated mode)
+async def memory_call(request: Request, call: Any) -> Any:
+    body = await body_of(request)
+    try:
+        return JSONResponse(await call(body.get("tags")))
+    except ValueError as error:
+        return value_error(error)
+
+
+@router.api_route("/release_memory_occupation", methods=["GET", "POST"])
+async def release_memory_occupation(request: Request) -> Any:
+    return await memory_call(request, engine_of(request).release_memory)
+
+
+@router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+async def resume_memory_occupation(request: Request) -> Any:
+    return await memory_call(request, engine_of(request).resume_memory)
+
+
+# ---------------------------------------------------------------- weights
+@router.get("/get_weight_version")
+async def get_weight_version(request: Request) -> dict:
+    return {"weight_version": engine_of(request).weight_version}
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(request: Request) -> Any:
+    engine, body = engine_of(request), await body_of(request, "new_version")
+    if body.get("abort_all_requests", True):
+        engine.abort(abort_all=True)
+    engine._set_version(str(body["new_version"]))
+    return JSONResponse({"success": True, "message": f"Weight version updated to {body['new_version']}",
+                         "new_version": body["new_version"]})
+
+
+async def weight_update(engine: Any, body: dict, load: Any) -> tuple[bool, str]:
+    """Run `load` as one weight update with the body's version / flush / abort options."""
+    return await engine.run_weight_update(load, weight_version=body.get("weight_version"),
+                                          flush_cache=body.get("flush_cache", True),
+                                          abort_all_requests=body.get("abort_all_requests", False))
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(request: Request) -> Any:
+    engine, body = engine_of(request), await body_of(request, "model_path")
+    path, load_format = str(body["model_path"]), body.get("load_format")
+    success, message = await weight_update(engine, body, lambda: engine.load_from_disk(path, load_format))
+    return outcome(success, message, num_paused_requests=0)
+
+
+@router.post("/begin_weight_update")
+async def begin_weight_update(request: Request) -> Any:
+    await body_of(request)
+    return outcome(*engine_of(request).begin_session())
+
+
+@router.post("/end_weight_update")
+async def end_weight_update(request: Request) -> Any:
+    await body_of(request)
+    return outcome(*engine_of(request).end_session())
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(request: Request) -> Any:
+    engine, body = engine_of(request), await body_of(request, "serialized_named_tensors")
+    payloads = body["serialized_named_tensors"]
+    if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
+        return bad_request("serialized_named_tensors must be a non-empty list of base64 strings (one per TP rank)")
+    try:
+        engine.require_session("update_weights_from_tensor")
+    except ValueError as error:
+        return outcome(False, str(error))
+    load_format = body.get("load_format")
+    return outcome(*await weight_update(engine, body, lambda: engine.load_from_tensor_payload(payloads[0], load_format)))
+
+
+@router.post("/init_weights_update_group")
+async def init_weights_update_group(request: Request) -> Any:
+    engine = engine_of(request)
+    body = await body_of(request, "master_address", "master_port", "rank_offset", "world_size")
+    try:
+        message = await asyncio.to_thread(
+            engine.init_group, master_address=str(body["master_address"]), master_port=int(body["master_port"]),
+            rank_offset=int(body["rank_offset"]), world_size=int(body["world_size"]),
+            group_name=body.get("group_name", "weight_update_group"), backend=body.get("backend", "nccl"))
+    except Exception as error:
+        return outcome(False, f"Failed to initialize custom process group: {error}.")
+    return outcome(True, message)
+
+
+@router.post("/destroy_weights_update_group")
+async def destroy_weights_update_group(request: Request) -> Any:
+    body = await body_of(request)
+    try:
+        return outcome(True, engine_of(request).destroy_group(body.get("group_name", "weight_update_group")))
+    except Exception as error:
+        return outcome(False, str(error))
+
+
+@router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(request: Request) -> Any:
+    engine, body = engine_of(request), await body_of(request, "names", "dtypes", "shapes")
+    try:
+        engine.require_session("update_weights_from_distributed")
+    except ValueError as error:
+        return outcome(False, str(error))
+    kwargs = {"names": list(body["names"]), "dtypes": list(body["dtypes"]), "shapes": list(body["shapes"]),
+              "group_name": body.get("group_name", "weight_update_group"), "load_format": body.get("load_format")}
+    return outcome(*await weight_update(engine, body, lambda: engine.receive_broadcast(**kwargs)))

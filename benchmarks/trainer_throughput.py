@@ -1,6 +1,7 @@
 """Trainer throughput on a long-tail RL batch: padded micro-batches vs packed by token budget vs bare Megatron.
 
     python benchmarks/trainer_throughput.py                                   # CPU defaults (2 cores: ~3 min)
+    python benchmarks/trainer_throughput.py --arch qwen3_moe                  # 8 experts, top-2 (Qwen3-MoE)
     python benchmarks/trainer_throughput.py --hidden-size 1024 --num-layers 16 --dtype bfloat16 \\
         --batch 128 --mean-len 2000 --max-len 16384                             # one GPU
 
@@ -107,6 +108,8 @@ def model_flops(policy: Any, lengths: list[int]) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default="", help="a HF checkpoint (default: build one with the sizes below)")
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "qwen3_moe"],
+                   help="family of the built checkpoint (qwen3_moe: 8 experts, top-2, expert FFN = hidden)")
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if not model:
         model = os.path.join(tempfile.mkdtemp(prefix="mf_trainer_tp_"), "model")
         subprocess.run([sys.executable, os.path.join(REPO, "tools/make_tiny_model.py"), "--out", model,
-                        "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers)],
+                        "--arch", args.arch, "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers)],
                        check=True, stdout=subprocess.DEVNULL)
     lengths = response_lengths(batch=args.batch, mean=args.mean_len, sigma=args.sigma, max_len=args.max_len,
                                max_ratio=args.max_ratio, seed=args.seed)
@@ -186,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     tps = {m: real / s for m, s in step_s.items()}
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "dtype": args.dtype, "hidden_size": policy.spec.hidden_size, "num_layers": policy.spec.num_layers,
+        "arch": policy.spec.family, "dtype": args.dtype, "hidden_size": policy.spec.hidden_size, "num_layers": policy.spec.num_layers,
         "batch": args.batch, "mean_response": statistics.mean(lengths), "max_response": max(lengths),
         "max_over_mean": max(lengths) / statistics.mean(lengths), "max_tokens_per_micro_batch": budget,
         "micro_batches_padded": len(configure(False)), "micro_batches_packed": len(packed_micro),
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "padding_frac_padded": 1.0 - real / computed["padded"],
         "padding_frac_packed": 1.0 - real / computed["packed"],
     }
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and policy.spec.moe is None:  # the FLOP count below is for dense MLPs
         out["mfu"] = model_flops(policy, totals) / step_s["packed"] / (args.peak_tflops * 1e12)
     destroy_distributed()
     print(json.dumps(out))

@@ -140,5 +140,5 @@ def _moe_spec(raw: dict[str, Any], path: str) -> MoESpec:
     if not 1 <= top_k <= int(experts):
         raise CheckpointError(f"{path}: num_experts_per_tok={top_k} must be in 1..num_experts={experts}")
     return MoESpec(num_experts=int(experts), top_k=top_k, ffn_hidden_size=int(raw["moe_intermediate_size"]),
-                   norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                   norm_topk_prob=bool(raw.get("norm_topk_prob", False)),  # transformers' default
                    aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)))

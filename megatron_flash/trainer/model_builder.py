@@ -36,7 +36,7 @@ class MoEOptions:
 
 
 def validate_layout(spec: HFModelSpec, *, tp_size: int, pp_size: int, vpp_size: Optional[int] = None,
-                    moe: MoEOptions = MoEOptions(), sequence_parallel: bool = False) -> None:
+                    moe: MoEOptions = MoEOptions(), sequence_parallel: bool = False, packed: bool = True) -> None:
     """Raise ValueError naming the quantity that the layout cannot split evenly."""
     checks = [
         ("num_attention_heads", spec.num_attention_heads, tp_size, "tensor_model_parallel_size"),
@@ -60,12 +60,14 @@ def validate_layout(spec: HFModelSpec, *, tp_size: int, pp_size: int, vpp_size: 
             raise ValueError("model.moe_token_dispatcher=alltoall needs CUDA (megatron-core's all-to-all "
                              "dispatcher uses CUDA streams); use allgather on CPU")
         aux = spec.moe.aux_loss_coef if moe.aux_loss_coeff is None else moe.aux_loss_coeff
-        if moe.ep_size > 1 and dispatcher == "allgather" and aux > 0:
-            # Measured on megatron-core 0.16.1 (gloo): the gradient grows with the coefficient, about
-            # 1e5 times what EP1 gives for the same batch (docs/moe.md). Refused rather than trained wrong.
+        if moe.ep_size > 1 and dispatcher == "allgather" and packed and aux > 0:
+            # Measured (docs/moe.md): the rows padded to equal length for the dispatcher end in a
+            # segment of pad tokens, and the load-balancing loss sends the embedding a gradient ~1e4-1e5
+            # times too large through it. Padded micro-batches are exact. Refused rather than trained wrong.
             raise ValueError(f"model.moe_aux_loss_coeff={aux:g} (the load-balancing loss) with "
-                             f"parallel.expert_model_parallel_size={moe.ep_size} and the allgather token dispatcher "
-                             "gives wrong gradients; set model.moe_aux_loss_coeff=0 or use the alltoall dispatcher (CUDA)")
+                             f"parallel.expert_model_parallel_size={moe.ep_size}, the allgather token dispatcher and "
+                             "packed rows (trainer.pack_sequences=true) gives wrong gradients; set "
+                             "model.moe_aux_loss_coeff=0 or trainer.pack_sequences=false")
         if tp_size > 1 and not sequence_parallel:  # Megatron's MoE layer refuses to train otherwise
             raise ValueError(f"parallel.tensor_model_parallel_size={tp_size} with a mixture-of-experts model needs "
                              "parallel.sequence_parallel=true")

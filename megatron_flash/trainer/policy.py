@@ -112,7 +112,7 @@ class MegatronPolicy:
         self.spec: HFModelSpec = read_hf_spec(s.hf_path)
         vpp = s.scale.virtual_pipeline_size
         validate_layout(self.spec, tp_size=s.tp_size, pp_size=s.pp_size, vpp_size=vpp, moe=s.moe,
-                        sequence_parallel=s.scale.sequence_parallel)
+                        sequence_parallel=s.scale.sequence_parallel, packed=s.pack_sequences)
         self.uses_te = use_te(s.use_transformer_engine)
         check_scale_options(s.scale, optimizer=s.optimizer, uses_te=self.uses_te)
         self.layout: Layout = init_distributed(tp_size=s.tp_size, pp_size=s.pp_size, seed=s.seed, backend=s.backend,

@@ -85,7 +85,7 @@ def megatron_view(overrides: list[str], spec: HFModelSpec = SPEC) -> dict[str, A
     cfg = load_config(None, BASE + overrides)
     s = PolicySettings.from_sections(model=cfg.model, parallel=cfg.parallel, trainer=cfg.trainer, optimizer=cfg.optimizer)
     validate_layout(spec, tp_size=s.tp_size, pp_size=s.pp_size, vpp_size=s.scale.virtual_pipeline_size, moe=s.moe,
-                    sequence_parallel=s.scale.sequence_parallel)
+                    sequence_parallel=s.scale.sequence_parallel, packed=s.pack_sequences)
     uses_te = use_te(s.use_transformer_engine)
     check_scale_options(s.scale, optimizer=s.optimizer, uses_te=uses_te)
     return {
@@ -170,8 +170,11 @@ def test_moe_layout_rules_name_what_failed() -> None:
         megatron_view(["parallel.expert_model_parallel_size=3", "model.moe_aux_loss_coeff=0"], MOE_SPEC)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"model.moe_aux_loss_coeff=0.001 \(the load-balancing loss\) with "
-                                             "parallel.expert_model_parallel_size=2 and the allgather"):
+                                             "parallel.expert_model_parallel_size=2, the allgather token dispatcher "
+                                             r"and packed rows \(trainer.pack_sequences=true\)"):
             megatron_view(["parallel.expert_model_parallel_size=2"], MOE_SPEC)
+        padded = megatron_view(["parallel.expert_model_parallel_size=2", "trainer.pack_sequences=false"], MOE_SPEC)
+        assert padded["TransformerConfig"]["moe_aux_loss_coeff"] == 0.001
     with pytest.raises(ValueError, match="moe_intermediate_size=32 is not divisible by "
                                          "parallel.expert_tensor_parallel_size=3"):
         megatron_view(["parallel.expert_tensor_parallel_size=3"], MOE_SPEC)

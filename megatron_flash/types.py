@@ -132,9 +132,6 @@ class TrainBatch:
         """The samples at `index` (a slice, or a tensor of row indices), every field."""
         return self.map(lambda t: t[index])
 
-    def to(self, device: torch.device) -> "TrainBatch":
-        return self.map(lambda t: t.to(device))
-
 
 def collate(samples: Sequence[Sample], *, pad_id: int, advantages: Optional[torch.Tensor] = None,
             pad_to_multiple: int = 1) -> TrainBatch:

@@ -20,9 +20,16 @@ machine hits all three alike):
                (built before the clock starts), a trivial loss (sum of the logits), the same
                optimizer step; none of the product's batching, logprob or loss code
 
+With a MoE model (`--arch qwen3_moe`) a fourth way runs beside them:
+
+  (d) replay   (b) with rollout routing replay: the batch carries a route for every token (random
+               distinct experts per layer, as an engine would return them) and every router replays
+               them (trainer.moe_routing_replay=rollout), the agreement metric included
+
 tokens/s counts real tokens (prompt + response of every sample) per second of a full optimizer step.
 Last line, one JSON object: tokens_per_s_padded, tokens_per_s_packed, speedup (b ÷ a), ratio_to_bare
-(b ÷ c), padding_frac_padded, padding_frac_packed (share of computed positions that are padding), and
+(b ÷ c), padding_frac_padded, padding_frac_packed (share of computed positions that are padding),
+for MoE replay_over_packed (d ÷ b), and
 on CUDA mfu (model FLOPs of the real tokens ÷ `--peak-tflops`: 6·N per token for the N non-embedding
 and output parameters plus 6·layers·hidden·Σ l² for causal attention).
 """
@@ -136,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_flash.trainer.distributed import destroy_distributed
     from megatron_flash.trainer.loss_adapter import make_loss_fn
     from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
+    from megatron_flash.types import compact_routes
 
     model = args.model_path
     if not model:
@@ -170,8 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "bare":
             step = partial(bare_step, policy, packed_micro)
         else:
-            configure(mode == "packed")
-            step = partial(policy.train_step, batch, loss_fn)
+            configure(mode in ("packed", "replay"))
+            if policy.routing is not None:
+                policy.routing.replay = mode == "replay"
+            step = partial(policy.train_step, routed if mode == "replay" else batch, loss_fn)
         step()  # warm-up (allocator, first-call costs)
         sync()
         t0 = time.perf_counter()
@@ -181,6 +191,14 @@ def main(argv: list[str] | None = None) -> int:
         return (time.perf_counter() - t0) / args.steps
 
     seconds: dict[str, list[float]] = {"padded": [], "packed": [], "bare": []}
+    routed = None
+    if policy.spec.moe is not None:
+        m = policy.spec.moe
+        gen = torch.Generator().manual_seed(args.seed)
+        picks = torch.rand(*batch.tokens.shape, policy.spec.num_layers, m.num_experts, generator=gen)
+        routes = compact_routes(picks.topk(m.top_k, dim=-1).indices.flatten(2))  # distinct experts per layer
+        routed = batch.replace(routed_experts=routes)
+        seconds["replay"] = []
     for r in range(args.rounds):
         for mode in seconds:
             seconds[mode].append(run(mode))
@@ -200,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         "padding_frac_padded": 1.0 - real / computed["padded"],
         "padding_frac_packed": 1.0 - real / computed["packed"],
     }
+    if "replay" in tps:
+        out["tokens_per_s_replay"] = tps["replay"]
+        out["replay_over_packed"] = tps["replay"] / tps["packed"]
     if torch.cuda.is_available() and policy.spec.moe is None:  # the FLOP count below is for dense MLPs
         out["mfu"] = model_flops(policy, totals) / step_s["packed"] / (args.peak_tflops * 1e12)
     destroy_distributed()

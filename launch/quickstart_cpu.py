@@ -2,9 +2,11 @@
 
     make quickstart                      # = OMP_NUM_THREADS=1 .venv/bin/python launch/quickstart_cpu.py
     python launch/quickstart_cpu.py --out runs/qs_tis loss.name=tis      # any config override
+    python launch/quickstart_cpu.py --arch qwen3_moe --out runs/qs_moe trainer.moe_routing_replay=rollout
+                                         # the same with the tiny Qwen3-MoE (8 experts, top-2), routes replayed
 
 Stages (each prints progress; the last line is one JSON summary):
-  1. tools/make_tiny_model.py   → {out}/tiny_model (Llama-style, 2 layers, hidden 64, char tokenizer)
+  1. tools/make_tiny_model.py   → {out}/tiny_model (Llama-style by default, 2 layers, hidden 64, char tokenizer)
   2. format-only warm-up        → Megatron SFT on sort4 answers that are *random permutations* of the
                                   input: the model learns the answer format, not the order, so the
                                   reward starts at chance (≈1/24)
@@ -115,6 +117,7 @@ def main() -> int:
     p.add_argument("--out", default="runs/quickstart")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--arch", default="llama", choices=("llama", "qwen3_moe"), help="the tiny model's family")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for the RL run")
     args = p.parse_args()
     from megatron_flash.rewards.synthetic import get_task
@@ -125,12 +128,12 @@ def main() -> int:
     tiny = os.path.join(args.out, "tiny_model")
     if not os.path.isfile(os.path.join(tiny, "config.json")):
         subprocess.run([sys.executable, os.path.join(REPO, "tools/make_tiny_model.py"), "--out", tiny,
-                        "--seed", str(args.seed)], check=True, capture_output=True)
+                        "--seed", str(args.seed), "--arch", args.arch], check=True, capture_output=True)
     log(f"tiny model at {tiny}")
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny)
-    summary = {"task": "sort4"}
+    summary = {"task": "sort4", "arch": args.arch}
     summary.update(warm_up(args, tokenizer, task))
     from megatron_flash.trainer.distributed import destroy_distributed
 

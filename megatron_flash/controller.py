@@ -228,7 +228,8 @@ class Controller:
         self.runtime = RolloutRuntime(cfg.engines, cfg.rollout, run_dir=self.run_dir, staleness=self.staleness,
                                       buffer=self.buffer, dataset=dataset, model_path=cfg.model.hf_path,
                                       tokenizer=self.tokenizer, dump_groups=self.mode.dumps_groups,
-                                      group_runner_factory=runner_factory)
+                                      group_runner_factory=runner_factory,
+                                      return_routed_experts=cfg.trainer.moe_routing_replay == "rollout")
         urls = self.runtime.start_engines()
         logger.info("engines up: %s", urls)
         return urls

@@ -8,9 +8,11 @@ that produced them. `collate` right-pads a list of samples into a `TrainBatch`, 
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 
@@ -30,6 +32,9 @@ class Sample:
     reward_failed: bool = False
     num_resumes: int = 0  # times generation was aborted at a push and resumed from its prefix
     response_mask: Optional[list[int]] = None  # multi-turn: 1 = model token (trained), 0 = observation
+    routed_experts: Optional[torch.Tensor] = None
+    """MoE: the experts the engine routed each token to, [P + R - 1, layers * top_k] (row t: token t was
+    the input; the last token was never fed). Set when the rollout asked for routes (R3)."""
 
     def __post_init__(self) -> None:
         if len(self.behavior_logprobs) != len(self.response_ids):
@@ -43,6 +48,34 @@ class Sample:
         if self.token_versions is not None and len(self.token_versions) != len(self.response_ids):
             raise ValueError(f"sample has {len(self.response_ids)} response tokens but "
                              f"{len(self.token_versions)} token versions")
+        if self.routed_experts is not None:
+            rows = len(self.prompt_ids) + len(self.response_ids) - 1
+            if self.routed_experts.dim() != 2 or self.routed_experts.shape[0] != rows:
+                raise ValueError(f"sample has {rows + 1} tokens, so routed_experts must be [{rows}, layers * "
+                                 f"top_k], got shape {tuple(self.routed_experts.shape)}")
+
+
+def decode_routes(text: str, rows: int) -> torch.Tensor:
+    """SGLang's `meta_info.routed_experts` (base64 of little-endian int32, [rows, layers, top_k]
+    flattened) → [rows, layers * top_k] in the smallest integer type that holds the expert ids."""
+    flat = np.frombuffer(base64.b64decode(text, validate=True), dtype="<i4")
+    if rows <= 0 or flat.size % rows:
+        raise ValueError(f"routed_experts holds {flat.size} ids, not a whole number of rows for {rows} tokens")
+    routes = torch.from_numpy(flat.astype(np.int32)).view(rows, flat.size // rows)
+    return compact_routes(routes)
+
+
+def encode_routes(routes: torch.Tensor) -> str:
+    """The inverse of `decode_routes` (the layout SGLang sends)."""
+    return base64.b64encode(routes.to(torch.int32).numpy().astype("<i4").tobytes()).decode("ascii")
+
+
+def compact_routes(routes: torch.Tensor) -> torch.Tensor:
+    """Expert ids stored in uint8 / int16 when they fit (a long rollout holds layers × top_k per token)."""
+    if routes.numel() and (int(routes.min()) < 0):
+        raise ValueError(f"routed_experts has a negative expert id {int(routes.min())}")
+    top = int(routes.max()) if routes.numel() else 0
+    return routes.to(torch.uint8 if top < 256 else torch.int16 if top < 32768 else torch.int32)
 
 
 @dataclasses.dataclass
@@ -69,6 +102,7 @@ class Group:
 
 PER_TOKEN = ("tokens", "loss_mask", "behavior_logprobs", "advantages", "proximal_logprobs", "reference_logprobs")
 PER_SAMPLE = ("lengths", "rewards", "group_ids", "staleness")
+PER_TOKEN_ROWS = ("routed_experts",)  # [B, S, k]: a row of values per token
 
 
 @dataclasses.dataclass
@@ -97,6 +131,9 @@ class TrainBatch:
     """[B] the group (prompt) each sample answers."""
     staleness: Optional[torch.Tensor] = None
     """[B] policy versions between the sample's generation start and this step."""
+    routed_experts: Optional[torch.Tensor] = None
+    """[B, S, layers * top_k] the engine's experts for token t (MoE routing replay); the model
+    input's, not the loss's (micro-batches lay it out with the tokens)."""
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 2:
@@ -104,6 +141,8 @@ class TrainBatch:
         b, s = self.tokens.shape
         for name, value in self.fields():
             want = (b, s) if name in PER_TOKEN else (b,)
+            if name in PER_TOKEN_ROWS:
+                want = (b, s, value.shape[-1] if value.dim() == 3 else -1)
             if tuple(value.shape) != want:
                 raise ValueError(f"TrainBatch.{name} must have shape {want} (like tokens "
                                  f"{tuple(self.tokens.shape)}), got {tuple(value.shape)}")
@@ -125,7 +164,8 @@ class TrainBatch:
         """A new batch with `per_token` applied to every [B, S] field and `per_sample` (default: the
         same function) to every [B] field; fields in `drop` become None."""
         per_sample = per_sample or per_token
-        return TrainBatch(**{name: None if name in drop else (per_token if name in PER_TOKEN else per_sample)(value)
+        return TrainBatch(**{name: None if name in drop else
+                             (per_token if name in PER_TOKEN + PER_TOKEN_ROWS else per_sample)(value)
                              for name, value in self.fields()})
 
     def rows(self, index: Any) -> "TrainBatch":
@@ -156,6 +196,26 @@ def collate(samples: Sequence[Sample], *, pad_id: int, advantages: Optional[torc
             raise ValueError(f"advantages must have shape ({n},), got {tuple(advantages.shape)}")
         per_token_adv = advantages.float()[:, None] * mask
     return TrainBatch(tokens=tokens, lengths=torch.tensor(lengths, dtype=torch.long), loss_mask=mask,
-                      behavior_logprobs=behavior, advantages=per_token_adv,
+                      behavior_logprobs=behavior, advantages=per_token_adv, routed_experts=_collate_routes(samples, width),
                       rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
                       group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long))
+
+
+def _collate_routes(samples: Sequence[Sample], width: int) -> Optional[torch.Tensor]:
+    """[B, width, layers * top_k] of the samples' routes (0 where a token has none), or None when no
+    sample carries routes; all or none must."""
+    have = [s.routed_experts is not None for s in samples]
+    if not any(have):
+        return None
+    if not all(have):
+        missing = have.index(False)
+        raise ValueError(f"sample {missing} (prompt {samples[missing].prompt_index}) has no routed_experts "
+                         "while others of the batch do: routing replay needs every sample's routes")
+    cols = {int(s.routed_experts.shape[1]) for s in samples}
+    if len(cols) != 1:
+        raise ValueError(f"samples carry routed_experts of different widths {sorted(cols)} (layers * top_k)")
+    dtype = max((s.routed_experts.dtype for s in samples), key=lambda d: torch.iinfo(d).bits)
+    out = torch.zeros(len(samples), width, cols.pop(), dtype=dtype)
+    for i, s in enumerate(samples):
+        out[i, : s.routed_experts.shape[0]] = s.routed_experts.to(dtype)
+    return out

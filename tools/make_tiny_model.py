@@ -46,7 +46,8 @@ def build_tokenizer() -> Any:
     return tokenizer
 
 
-def hf_config(*, arch: str, vocab_size: int, tie: bool, num_layers: int = 2, hidden_size: int = 64) -> dict[str, Any]:
+def hf_config(*, arch: str, vocab_size: int, tie: bool, num_layers: int = 2, hidden_size: int = 64,
+              num_experts: int = 8, top_k: int = 2) -> dict[str, Any]:
     if hidden_size % 16:
         raise ValueError(f"--hidden-size must be a multiple of 16 (4 heads of a multiple of 4), got {hidden_size}")
     common = {
@@ -75,15 +76,18 @@ def hf_config(*, arch: str, vocab_size: int, tie: bool, num_layers: int = 2, hid
     if arch == "qwen3":
         return {**common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
                 "head_dim": hidden_size // 4, "attention_bias": False}
-    # Every layer sparse (as Qwen3-30B-A3B): 8 experts, top-2, probabilities renormalised over the top-k.
+    # Every layer sparse (as Qwen3-30B-A3B): 8 experts, top-2 by default, probabilities renormalised over the top-k.
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"--top-k must be in [1, --num-experts={num_experts}], got {top_k}")
     return {**common, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-            "head_dim": hidden_size // 4, "attention_bias": False, "num_experts": 8, "num_experts_per_tok": 2,
+            "head_dim": hidden_size // 4, "attention_bias": False, "num_experts": num_experts,
+            "num_experts_per_tok": top_k,
             "moe_intermediate_size": hidden_size, "norm_topk_prob": True, "decoder_sparse_step": 1,
             "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "output_router_logits": False}
 
 
 def make_model(*, out: str, arch: str, seed: int, tie: bool | None, num_layers: int = 2,
-               hidden_size: int = 64) -> None:
+               hidden_size: int = 64, num_experts: int = 8, top_k: int = 2) -> None:
     import torch
     import transformers
 
@@ -92,7 +96,8 @@ def make_model(*, out: str, arch: str, seed: int, tie: bool | None, num_layers: 
     tie = (arch != "llama") if tie is None else tie
     tokenizer = build_tokenizer()
     vocab_size = tokenizer.get_vocab_size()
-    config_dict = hf_config(arch=arch, vocab_size=vocab_size, tie=tie, num_layers=num_layers, hidden_size=hidden_size)
+    config_dict = hf_config(arch=arch, vocab_size=vocab_size, tie=tie, num_layers=num_layers, hidden_size=hidden_size,
+                            num_experts=num_experts, top_k=top_k)
 
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
@@ -136,12 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--hidden-size", type=int, default=64, help="4 attention heads, 2 KV heads, MLP 2x hidden")
+    parser.add_argument("--num-experts", type=int, default=8, help="qwen3_moe: experts per layer")
+    parser.add_argument("--top-k", type=int, default=2, help="qwen3_moe: experts per token")
     tie = parser.add_mutually_exclusive_group()
     tie.add_argument("--tie-embeddings", dest="tie", action="store_true", default=None)
     tie.add_argument("--untie-embeddings", dest="tie", action="store_false")
     args = parser.parse_args(argv)
+    if args.arch != "qwen3_moe" and (args.num_experts, args.top_k) != (8, 2):
+        parser.error("--num-experts and --top-k apply to --arch qwen3_moe only")
     make_model(out=args.out, arch=args.arch, seed=args.seed, tie=args.tie, num_layers=args.num_layers,
-               hidden_size=args.hidden_size)
+               hidden_size=args.hidden_size, num_experts=args.num_experts, top_k=args.top_k)
     print(json.dumps({"out": os.path.abspath(args.out), "arch": args.arch, "seed": args.seed}))
     return 0
 

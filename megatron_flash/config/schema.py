@@ -30,6 +30,7 @@ ENGINE_BACKENDS = ("cpu", "sglang", "attach")
 WEIGHT_TRANSPORTS = ("ipc", "broadcast", "disk")
 WANDB_MODES = ("offline", "online", "disabled")
 RECOMPUTE = ("none", "selective", "full")
+ROUTING_REPLAY = ("off", "rollout")
 RECOMPUTE_METHODS = ("uniform", "block")
 MOE_DISPATCHERS = ("auto", "allgather", "alltoall")
 
@@ -219,6 +220,11 @@ class TrainerConfig(_Section):
     block (the first recompute_num_layers layers of each pipeline stage)."""
     recompute_num_layers: Optional[int] = None
     """With recompute=full only: layers per recomputed chunk (uniform) or per stage (block); default 1."""
+    moe_routing_replay: str = "off"
+    """MoE only: off (the trainer's routers choose their own experts) | rollout (R3: the engines return
+    the experts they routed every token to, and every trainer forward of that sample — training,
+    π_prox, reference — routes the token to the same experts; SGLang engines get
+    --enable-return-routed-experts)."""
 
     def validate(self) -> None:
         for name in ("total_steps", "micro_batch_size", "global_batch_size", "num_epochs",
@@ -242,6 +248,7 @@ class TrainerConfig(_Section):
         if self.recompute_num_layers is not None:
             self._at_least("recompute_num_layers", 1)
         self._one_of("mode", RUN_MODES)
+        self._one_of("moe_routing_replay", ROUTING_REPLAY)
         if self.mode == "train_only":
             self._require(bool(self.replay_path), "replay_path", "must be set when trainer.mode=train_only")
 
@@ -695,6 +702,11 @@ class RunConfig:
             raise ValueError(
                 f"rollout.max_new_tokens must be < trainer.max_seq_len={trainer.max_seq_len} "
                 f"(the prompt needs room), got {rollout.max_new_tokens}"
+            )
+        if trainer.moe_routing_replay != "off" and self.agentic.env:
+            raise ValueError(
+                "trainer.moe_routing_replay=rollout is not built for agentic episodes (agentic.env is set): "
+                "a multi-turn sample's observation tokens were never routed by the engine"
             )
         if self.engines.colocate and self.async_rl.alpha != 0:
             raise ValueError(

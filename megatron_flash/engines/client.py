@@ -45,6 +45,8 @@ from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence, 
 
 import aiohttp
 
+from megatron_flash.types import decode_routes
+
 FINISH_TYPES = ("stop", "length", "abort")
 PAUSE_MODES = ("abort", "retract", "in_place")
 SESSION_MODES = ("auto", "always", "never")
@@ -127,6 +129,9 @@ class GenerateResult:
     """The engine that produced this result ("" for a request the proxy aborted before dispatch)."""
     meta_info: Dict[str, Any] = field(default_factory=dict, repr=False)
     """The raw meta_info, for fields this class does not lift (timings, retractions, ...)."""
+    routed_experts: Any = None
+    """MoE routes (``meta_info.routed_experts``, asked with return_routed_experts): a tensor
+    [prompt + completion - 1, layers * top_k] of expert ids; None when not asked or not returned."""
 
     @property
     def aborted(self) -> bool:
@@ -141,7 +146,8 @@ class GenerateResult:
 
 
 def parse_generate_reply(reply: Any, *, url: str, rid: str, input_len: int,
-                         return_logprob: bool, endpoint: str = "/generate") -> GenerateResult:
+                         return_logprob: bool, endpoint: str = "/generate",
+                         return_routed_experts: bool = False) -> GenerateResult:
     """Check one non-streaming /generate reply against the contract and lift it into a result."""
 
     def bad(name: str, detail: str) -> MalformedReply:
@@ -203,13 +209,25 @@ def parse_generate_reply(reply: Any, *, url: str, rid: str, input_len: int,
             raise bad(f"meta_info.{name}", f"meta_info.{name} must be an int, got {_short(value)}")
         counts[name] = int(value)
 
+    routes = None
+    raw_routes = meta.get("routed_experts") if return_routed_experts else None
+    if raw_routes is not None:
+        rows = counts["prompt_tokens"] + counts["completion_tokens"] - 1
+        if not isinstance(raw_routes, str):
+            raise bad("meta_info.routed_experts", f"meta_info.routed_experts must be a base64 string, got "
+                      f"{_short(raw_routes)}")
+        try:
+            routes = decode_routes(raw_routes, rows)
+        except ValueError as error:  # binascii.Error is a ValueError
+            raise bad("meta_info.routed_experts", f"meta_info.routed_experts: {error}") from error
+
     text = reply.get("text", "")
     return GenerateResult(
         rid=str(meta.get("id", rid)), output_ids=[int(t) for t in output_ids], output_logprobs=logprobs,
         finish_reason=finish["type"], finish_matched=finish.get("matched"),
         finish_message=finish.get("message"), weight_version=str(version),
         weight_version_spans=spans, text=text if isinstance(text, str) else "", engine_url=url,
-        meta_info=meta, **counts)
+        meta_info=meta, routed_experts=routes, **counts)
 
 
 def _parse_spans(raw: Any, bad) -> List[WeightVersionSpan]:
@@ -358,15 +376,19 @@ class EngineClient:
     # -- generation ---------------------------------------------------------------------------
     async def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *,
                        return_logprob: bool = True, rid: Optional[str] = None,
-                       timeout_s: Optional[float] = None) -> GenerateResult:
-        """One prompt → one completion. Never retried here. ``rid`` defaults to a fresh uuid."""
+                       timeout_s: Optional[float] = None, return_routed_experts: bool = False) -> GenerateResult:
+        """One prompt → one completion. Never retried here. ``rid`` defaults to a fresh uuid.
+        ``return_routed_experts`` asks a MoE engine for its routes (SGLang needs
+        ``--enable-return-routed-experts``; the field is only sent when asked)."""
         rid = rid or uuid.uuid4().hex
         body = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
                 "return_logprob": return_logprob, "rid": rid}
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         reply = await self._call("POST", "/generate", body=body,
                                  timeout_s=timeout_s or self.request_timeout_s)
         return parse_generate_reply(reply, url=self.url, rid=rid, input_len=len(body["input_ids"]),
-                                    return_logprob=return_logprob)
+                                    return_logprob=return_logprob, return_routed_experts=return_routed_experts)
 
     async def score(self, batch_input_ids: Sequence[Sequence[int]], *, logprob_start_len: int,
                     timeout_s: Optional[float] = None) -> Any:
@@ -380,7 +402,8 @@ class EngineClient:
 
     async def generate_n(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], n: int, *,
                          return_logprob: bool = True, rid: Optional[str] = None,
-                         timeout_s: Optional[float] = None) -> List[GenerateResult]:
+                         timeout_s: Optional[float] = None,
+                         return_routed_experts: bool = False) -> List[GenerateResult]:
         """One prompt → ``n`` completions in one request (SGLang parallel sampling, ``sampling_params.n``).
 
         SGLang answers a JSON list of n reply objects, each parsed like ``generate``'s. Each result's
@@ -396,17 +419,20 @@ class EngineClient:
         if n == 1:
             params = {k: v for k, v in sampling_params.items() if k != "n"}
             return [await self.generate(input_ids, params, return_logprob=return_logprob, rid=rid,
-                                        timeout_s=timeout_s)]
+                                        timeout_s=timeout_s, return_routed_experts=return_routed_experts)]
         rid = rid or uuid.uuid4().hex
         body = {"input_ids": list(input_ids), "sampling_params": {**sampling_params, "n": n},
                 "return_logprob": return_logprob, "rid": rid}
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         reply = await self._call("POST", "/generate", body=body, timeout_s=timeout_s or self.request_timeout_s)
         if not isinstance(reply, list) or len(reply) != n:
             got = f"a list of {len(reply)}" if isinstance(reply, list) else f"a {type(reply).__name__}"
             raise MalformedReply(self.url, "/generate", "<body>", f"reply is {got}, expected a JSON list of "
                                  f"n={n} objects (asked with sampling_params.n={n})")
         return [parse_generate_reply(r, url=self.url, rid=f"{rid}_{i}", input_len=len(body["input_ids"]),
-                                     return_logprob=return_logprob) for i, r in enumerate(reply)]
+                                     return_logprob=return_logprob, return_routed_experts=return_routed_experts)
+                for i, r in enumerate(reply)]
 
     async def abort(self, rid: str, *, timeout_s: Optional[float] = None) -> None:
         """Abort one request; its /generate call then answers with finish_reason abort."""

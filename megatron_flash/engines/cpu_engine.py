@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from megatron_flash.engines.cpu_engine_updates import EngineUpdates
+from megatron_flash.engines.routed_experts import RouteRecorder, encoded_routes
 from megatron_flash.engines.sampling import SamplingSpec, sample_rows
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class _Request:
         self.num_retractions = 0
         self.kv_tokens = 0  # KV reserved for this request (see CpuEngine._kv_need), 0 once released
         self.version_events: list[tuple[str, int]] = []  # (version before a change, tokens generated under it)
+        self.routes: torch.Tensor | None = None  # MoE routing table when asked (see routed_experts.py)
         self.created = time.perf_counter()
         self.generator = None
         if spec.sampling_seed is not None:
@@ -219,10 +221,20 @@ class CpuEngine(EngineUpdates):
             use_async_batching=False, use_cuda_graph=False, return_logprobs=False, seed=seed,
         )
 
+        self.route_recorder = RouteRecorder(self.model, self._routes_of)
+        recorder = self.route_recorder
+
+        class _Processors(ContinuousBatchingLogitsProcessorList):
+            # CB hands the whole step's requests only here, before the forward: the route recorder
+            # needs every request's query tokens, the sampler those with a new token.
+            def prepare_tensor_args(self, requests_in_batch: list, arg_storage: torch.Tensor) -> torch.Tensor:
+                recorder.note_batch(requests_in_batch)
+                return super().prepare_tensor_args(requests_in_batch, arg_storage)
+
         def new_manager() -> Any:  # the paged KV cache lives in the CB manager: made again on resume
             manager = self.model.init_continuous_batching(generation_config=generation_config,
                                                           continuous_batching_config=cb_config)
-            processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([_make_sampler_processor(self)]))
+            processors = _Processors(LogitsProcessorList([_make_sampler_processor(self)]))
             processors.tensors_required = 1  # one int32 row of per-request arguments (unused; rows come from prepare)
             manager.logit_processor = processors
             manager.start()
@@ -230,6 +242,10 @@ class CpuEngine(EngineUpdates):
 
         self._new_manager = new_manager
         self._manager = new_manager()
+
+    def _routes_of(self, cb_id: str) -> torch.Tensor | None:
+        req = self._by_cb_id.get(cb_id)  # read without the lock: the CB thread is the only writer of rows
+        return None if req is None else req.routes
 
     # ------------------------------------------------------------------ CB thread: sampling
     @torch.no_grad()
@@ -317,7 +333,8 @@ class CpuEngine(EngineUpdates):
         async with self._gate:
             self._gate.notify_all()
 
-    async def admit(self, *, rid: str, prompt_ids: list[int], spec: SamplingSpec, stream: bool = False) -> _Request:
+    async def admit(self, *, rid: str, prompt_ids: list[int], spec: SamplingSpec, stream: bool = False,
+                    return_routed_experts: bool = False) -> _Request:
         """Wait while paused, while a weight update drains, or until the request's KV fits; then hand it to CB."""
         self._ensure_loop_state()
         self.validate(prompt_ids, spec)
@@ -328,6 +345,8 @@ class CpuEngine(EngineUpdates):
         stop_ids = frozenset() if spec.ignore_eos else spec.stop_token_ids | self.eos_ids
         req = _Request(rid=rid, prompt_ids=list(prompt_ids), spec=spec, stop_ids=stop_ids,
                        loop=asyncio.get_running_loop(), stream=stream)
+        if return_routed_experts and self.route_recorder.is_moe:
+            req.routes = self.route_recorder.new_table(len(prompt_ids) + spec.max_new_tokens)
         self._kv_queue[rid] = req  # abortable while it waits for KV (SGLang's waiting queue)
         try:
             async with self._gate:
@@ -418,7 +437,8 @@ class CpuEngine(EngineUpdates):
             asyncio.ensure_future(self._notify_gate())
         return len(victims) + len(queued)
 
-    def snapshot(self, req: _Request, *, return_logprob: bool, return_text_in_logprobs: bool = False) -> dict:
+    def snapshot(self, req: _Request, *, return_logprob: bool, return_text_in_logprobs: bool = False,
+                 return_routed_experts: bool = False) -> dict:
         """The /generate response object for a request (final when req.finish is set)."""
         with self._lock:
             output_ids, logprobs, finish = list(req.output_ids), list(req.logprobs), req.finish
@@ -437,6 +457,9 @@ class CpuEngine(EngineUpdates):
             meta["weight_versions"] = spans
             meta["weight_version"] = spans[-1]["version"]
             meta["e2e_latency"] = time.perf_counter() - req.created
+            rows = len(req.prompt_ids) + len(output_ids) - 1
+            if return_routed_experts and req.routes is not None and rows > 0:
+                meta["routed_experts"] = encoded_routes(req.routes, rows)
         if return_logprob:
             texts: list[str | None] = [None] * len(output_ids)
             if return_text_in_logprobs and self.tokenizer is not None:

@@ -90,6 +90,7 @@ def parse_generate(engine: Any, body: dict) -> list[dict]:
     num_samples = _num_samples(params)
     params = [{k: v for k, v in p.items() if k != "n"} if isinstance(p, dict) else p for p in params]
     logprob, text_lp = per_item("return_logprob", False), body.get("return_text_in_logprobs", False)
+    routed = per_item("return_routed_experts", False)
     if num_samples > 1:
         # Parallel sampling: n requests of the one prompt, answered as a list of n objects (SGLang).
         # Sample i runs as "{rid}_{i}", so /abort_request with the parent rid reaches all n (prefix match).
@@ -104,13 +105,15 @@ def parse_generate(engine: Any, body: dict) -> list[dict]:
             raise ValueError(f"Duplicate request ID: {taken[0]}")
         n, prompts, params, logprob = num_samples, prompts * num_samples, params * num_samples, \
             logprob * num_samples
+        routed = routed * num_samples
     items = []
     for i in range(n):
         spec = SamplingSpec.from_json(params[i], vocab_size=engine.vocab_size)
         engine.validate(prompts[i], spec)
         items.append({"rid": str(rids[i]), "prompt_ids": prompts[i], "spec": spec,
                       "return_logprob": bool(logprob[i]), "return_text_in_logprobs": bool(text_lp),
-                      "logprob_start_len": _logprob_start_len(body, i, len(prompts[i]))})
+                      "logprob_start_len": _logprob_start_len(body, i, len(prompts[i])),
+                      "return_routed_experts": bool(routed[i])})
     return items if not single or num_samples > 1 else items[:1]
 
 async def input_logprobs(engine: Any, item: dict) -> list | None:
@@ -127,18 +130,21 @@ def with_inputs(out: dict, inputs: list | None) -> dict:
 
 async def run_one(engine: Any, item: dict) -> dict:
     inputs = await input_logprobs(engine, item)
-    req = await engine.admit(rid=item["rid"], prompt_ids=item["prompt_ids"], spec=item["spec"])
+    req = await engine.admit(rid=item["rid"], prompt_ids=item["prompt_ids"], spec=item["spec"],
+                             return_routed_experts=item["return_routed_experts"])
     try:
         await req.done.wait()
         return with_inputs(engine.snapshot(req, return_logprob=item["return_logprob"],
-                                           return_text_in_logprobs=item["return_text_in_logprobs"]), inputs)
+                                           return_text_in_logprobs=item["return_text_in_logprobs"],
+                                           return_routed_experts=item["return_routed_experts"]), inputs)
     finally:
         engine.release(req)
 
 async def stream_one(engine: Any, item: dict) -> AsyncIterator[bytes]:
     try:
         inputs = await input_logprobs(engine, item)
-        req = await engine.admit(rid=item["rid"], prompt_ids=item["prompt_ids"], spec=item["spec"], stream=True)
+        req = await engine.admit(rid=item["rid"], prompt_ids=item["prompt_ids"], spec=item["spec"], stream=True,
+                                 return_routed_experts=item["return_routed_experts"])
     except ValueError as error:
         payload = {"error": {"message": str(error), "type": "invalid_request_error", "code": 400,
                              "retryable": False}}
@@ -151,7 +157,8 @@ async def stream_one(engine: Any, item: dict) -> AsyncIterator[bytes]:
             await req.progress.wait()
             req.progress.clear()
             out = with_inputs(engine.snapshot(req, return_logprob=item["return_logprob"],
-                                              return_text_in_logprobs=item["return_text_in_logprobs"]), inputs)
+                                              return_text_in_logprobs=item["return_text_in_logprobs"],
+                                              return_routed_experts=item["return_routed_experts"]), inputs)
             if len(out["output_ids"]) != sent or req.finish is not None:
                 sent = len(out["output_ids"])
                 yield b"data: " + json.dumps(out).encode() + b"\n\n"

@@ -212,11 +212,15 @@ class EngineLauncher:
         """One entry per restart: index, url, exit_code, restart_s (noticed → healthy), ok."""
 
     @classmethod
-    def from_config(cls, config: Any, *, model_path: str, run_dir: str, **kwargs: Any) -> "EngineLauncher":
-        """From an ``EngineConfig``; kwargs (command, env, first_gpu, stop_grace_s) pass through."""
+    def from_config(cls, config: Any, *, model_path: str, run_dir: str, return_routed_experts: bool = False,
+                    **kwargs: Any) -> "EngineLauncher":
+        """From an ``EngineConfig``; kwargs (command, env, first_gpu, stop_grace_s) pass through.
+        ``return_routed_experts``: the run replays MoE routes, so SGLang must record them."""
         server_args = dict(config.server_args)
         if config.colocate and config.backend == "sglang":
             server_args.setdefault("enable-memory-saver", True)  # else releasing memory frees nothing
+        if return_routed_experts and config.backend == "sglang":
+            server_args.setdefault("enable-return-routed-experts", True)  # else requests get no routes
         return cls(backend=config.backend, model_path=model_path, num_engines=config.num_engines,
                    urls=config.urls, host=config.host, base_port=config.base_port, tp_size=config.tp_size,
                    gpu_ids=config.gpu_ids, server_args=server_args, api_key=config.api_key,

@@ -139,6 +139,11 @@ def _moe_spec(raw: dict[str, Any], path: str) -> MoESpec:
     top_k = int(raw["num_experts_per_tok"])
     if not 1 <= top_k <= int(experts):
         raise CheckpointError(f"{path}: num_experts_per_tok={top_k} must be in 1..num_experts={experts}")
+    if top_k == 1 and raw.get("norm_topk_prob", False):
+        # Every token's gate weight is then 1.0; Megatron-Core refuses top-1 without the softmax over
+        # all experts first, which weights it by that expert's probability instead.
+        raise CheckpointError(f"{path}: num_experts_per_tok=1 with norm_topk_prob=true is not representable "
+                              "in Megatron-Core (top-1 routing needs the pre-top-k softmax)")
     return MoESpec(num_experts=int(experts), top_k=top_k, ffn_hidden_size=int(raw["moe_intermediate_size"]),
                    norm_topk_prob=bool(raw.get("norm_topk_prob", False)),  # transformers' default
                    aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)))

@@ -206,17 +206,20 @@ class LLMProxy:
 
     # -- generation -----------------------------------------------------------------------------
     async def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *,
-                       return_logprob: bool = True, rid: Optional[str] = None) -> GenerateResult:
+                       return_logprob: bool = True, rid: Optional[str] = None,
+                       return_routed_experts: bool = False) -> GenerateResult:
         """One completion from whichever engine frees a slot first. See the module docstring."""
         rid = rid or uuid.uuid4().hex
 
         def call(engine: _Engine) -> Awaitable[GenerateResult]:
-            return engine.client.generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid)
+            return engine.client.generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid,
+                                          return_routed_experts=return_routed_experts)
 
         return await self._serve(rid, call, lambda message: self._aborted_result(rid, message))
 
     async def generate_n(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], n: int, *,
-                         return_logprob: bool = True, rid: Optional[str] = None) -> List[GenerateResult]:
+                         return_logprob: bool = True, rid: Optional[str] = None,
+                         return_routed_experts: bool = False) -> List[GenerateResult]:
         """``n`` completions of one prompt as ONE request (SGLang ``sampling_params.n``) on one engine.
 
         It holds ``min(n, max_inflight_per_engine)`` slots of that engine, so it waits in the FIFO queue
@@ -229,7 +232,8 @@ class LLMProxy:
 
         async def call(engine: _Engine) -> List[GenerateResult]:
             request = asyncio.ensure_future(engine.client.generate_n(
-                input_ids, sampling_params, n, return_logprob=return_logprob, rid=rid))
+                input_ids, sampling_params, n, return_logprob=return_logprob, rid=rid,
+                return_routed_experts=return_routed_experts))
             self._parallel_calls[rid] = request
             try:
                 return await request

@@ -18,7 +18,7 @@ from megatron_flash.buffer.staleness import StalenessManager
 from megatron_flash.rollout.filters import get_filter
 from megatron_flash.rollout.group_runner import GroupRunner, GroupRunnerFactory
 from megatron_flash.rollout.scheduler import RolloutScheduler, RolloutStats, SchedulerSettings
-from megatron_flash.types import Group
+from megatron_flash.types import Group, decode_routes, encode_routes
 
 if TYPE_CHECKING:
     from megatron_flash.config.schema import EngineConfig, RolloutConfig
@@ -47,7 +47,10 @@ class GroupDump:
                                "behavior_logprobs": s.behavior_logprobs, "reward": s.reward,
                                "finished": s.finished, "finish_reason": s.finish_reason,
                                "version_start": s.version_start, "version_end": s.version_end,
-                               "token_versions": s.token_versions, "response_mask": s.response_mask}
+                               "token_versions": s.token_versions, "response_mask": s.response_mask,
+                               **({} if s.routed_experts is None else
+                                  {"routed_experts": encode_routes(s.routed_experts),
+                                   "routed_experts_width": int(s.routed_experts.shape[1])})}
                               for s in group.samples]}
         with self._lock:
             self._f.write(json.dumps(record) + "\n")
@@ -55,6 +58,17 @@ class GroupDump:
 
     def close(self) -> None:
         self._f.close()
+
+
+def _routes_decoded(sample: dict) -> dict:
+    if "routed_experts" not in sample:
+        return sample
+    rows = len(sample["prompt_ids"]) + len(sample["response_ids"]) - 1
+    width = sample.pop("routed_experts_width")
+    routes = decode_routes(sample["routed_experts"], rows)
+    if routes.shape[1] != width:
+        raise ValueError(f"routed_experts has {routes.shape[1]} ids per token, the record says {width}")
+    return {**sample, "routed_experts": routes}
 
 
 def read_group_dump(path: str) -> list[Group]:
@@ -70,7 +84,7 @@ def read_group_dump(path: str) -> list[Group]:
                 continue
             try:
                 rec = json.loads(line)
-                samples = [Sample(group_id=rec["group_id"], prompt_index=rec["prompt_index"], **s)
+                samples = [Sample(group_id=rec["group_id"], prompt_index=rec["prompt_index"], **_routes_decoded(s))
                            for s in rec["samples"]]
                 groups.append(Group(group_id=rec["group_id"], prompt_index=rec["prompt_index"], samples=samples,
                                     version_start=rec["version_start"]))
@@ -83,12 +97,15 @@ class RolloutRuntime:
     """`start_engines()` (blocks until they are healthy), then `start_rollout()`; `stop()`.
 
     Gets the `engines` and `rollout` sections only; `dump_groups` writes every finished group to
-    rollout.dump_path (or {run_dir}/groups.jsonl) even when that is not set."""
+    rollout.dump_path (or {run_dir}/groups.jsonl) even when that is not set; `return_routed_experts`
+    asks the engines for MoE routes (the trainer replays them)."""
 
     def __init__(self, engines: "EngineConfig", rollout: "RolloutConfig", *, run_dir: str,
                  staleness: StalenessManager, buffer: SampleBuffer, dataset: Any, tokenizer: Any, model_path: str,
-                 dump_groups: bool = False, group_runner_factory: Optional[GroupRunnerFactory] = None) -> None:
+                 dump_groups: bool = False, group_runner_factory: Optional[GroupRunnerFactory] = None,
+                 return_routed_experts: bool = False) -> None:
         self.engines_cfg, self.rollout_cfg = engines, rollout
+        self.return_routed_experts = return_routed_experts
         self.run_dir, self.staleness, self.buffer = run_dir, staleness, buffer
         self.dump_groups = dump_groups
         self.group_runner_factory = group_runner_factory
@@ -115,7 +132,8 @@ class RolloutRuntime:
         eng = self.engines_cfg
         first_gpu = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) if eng.backend == "sglang" else 0
         self.launcher = EngineLauncher.from_config(eng, model_path=self.model_path, run_dir=self.run_dir,
-                                                   first_gpu=first_gpu)
+                                                   first_gpu=first_gpu,
+                                                   return_routed_experts=self.return_routed_experts)
         self.urls = self.launcher.start()
         if eng.backend == "attach":  # started elsewhere: watch /health, re-admit when it answers again
             self.launcher.supervise(max_restarts=0, on_down=self.engine_down, interval_s=eng.attach_probe_interval_s,
@@ -176,7 +194,8 @@ class RolloutRuntime:
                     n_samples_per_prompt=r.n_samples_per_prompt, sampling_params=sampling_params(r),
                     max_new_tokens=r.max_new_tokens, prompt_replication=r.prompt_replication,
                     replication_chunk=r.replication_chunk, max_resumes=r.max_resumes,
-                    engine_down_deadline_s=self.engines_cfg.down_timeout_s)
+                    engine_down_deadline_s=self.engines_cfg.down_timeout_s,
+                    return_routed_experts=self.return_routed_experts)
                 self.scheduler = RolloutScheduler(
                     dataset=self.dataset, proxy=proxy, reward_pool=reward_pool, group_filter=group_filter,
                     buffer=self.buffer, staleness=self.staleness, settings=settings, decode=self.decode)

@@ -55,6 +55,8 @@ class SchedulerSettings:
     max_resumes: int = 16
     engine_down_deadline_s: float = 120.0
     """Stop the run when no request has succeeded for this long while requests keep failing."""
+    return_routed_experts: bool = False
+    """Ask the engines for the MoE experts of every token (routing replay); a reply without them stops the run."""
 
 
 @dataclasses.dataclass
@@ -88,6 +90,8 @@ class RolloutScheduler:
         self._last_success = time.monotonic()
         self._failing_since: Optional[float] = None
         self._fatal: Optional[BaseException] = None
+        # Sent only when on: a proxy (or a test's) without routes support keeps working without it.
+        self._route_kw = {"return_routed_experts": True} if settings.return_routed_experts else {}
         self._wake: Optional[asyncio.Event] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.on_group: Optional[Callable[[Group], None]] = None  # e.g. a GroupDump, before the buffer
@@ -272,7 +276,7 @@ class RolloutScheduler:
         now = time.monotonic()
         if self._failing_since is None:
             self._failing_since = now
-        if now - max(self._failing_since, self._last_success) > self.settings.engine_down_deadline_s:
+        if self._fatal is None and now - max(self._failing_since, self._last_success) > self.settings.engine_down_deadline_s:
             self._fatal = RolloutError(
                 f"no rollout request succeeded for {self.settings.engine_down_deadline_s:.0f} s "
                 f"(engines down?); last error: {error}")
@@ -285,28 +289,48 @@ class RolloutScheduler:
         out = await self._generate_from(prompt, f"g{group_id}-s{index}", [], [], [], resumes=0)
         return None if out is None else await self._finish(prompt, group_id, version, *out)
 
+    def _routes(self, result: Any) -> Any:
+        """The reply's routes when the run asked for them; a finished reply without them is a
+        configuration error (an engine that cannot return routes), never retried."""
+        if not self.settings.return_routed_experts or result.aborted:
+            return None
+        if result.routed_experts is None:
+            self._fatal = RolloutError(
+                f"trainer.moe_routing_replay=rollout needs the engines' routed experts, but engine "
+                f"{result.engine_url or '?'} answered request {result.rid} without meta_info.routed_experts "
+                "(asked with return_routed_experts=true): serve a MoE model, and start SGLang with "
+                "--enable-return-routed-experts")
+            raise self._fatal
+        return result.routed_experts
+
     async def _generate_from(self, prompt: Any, base_rid: str, ids: list[int], logprobs: list[float],
                              versions: list[Optional[int]], *, resumes: int):
         """Generate (or continue) one response after `ids`; resubmit prompt + prefix after aborts.
-        Returns (ids, logprobs, versions, finish_reason, resumes), or None when the run is stopping."""
+        Returns (ids, logprobs, versions, finish_reason, resumes, routes), or None when the run is
+        stopping. Routes come from the last request, which saw prompt + every token as its input."""
         while True:
             remaining = self.settings.max_new_tokens - len(ids)
             if remaining <= 0:
-                return ids, logprobs, versions, "length", resumes
+                if self.settings.return_routed_experts:  # a prefix that used the whole budget: score it for its routes
+                    result = await self.proxy.generate(list(prompt.prompt_ids) + ids[:-1], self._params(1),
+                                                       rid=f"{base_rid}-routes", **self._route_kw)
+                    routes = self._routes(result)
+                    return ids, logprobs, versions, "length", resumes, routes[: len(prompt.prompt_ids) + len(ids) - 1]
+                return ids, logprobs, versions, "length", resumes, None
             if resumes:
                 self.stats.resumes += 1
                 if resumes > self.settings.max_resumes:
                     raise RolloutError(f"request {base_rid} was aborted {resumes} times without finishing")
             seg_version = self.staleness.version
             result = await self.proxy.generate(list(prompt.prompt_ids) + ids, self._params(remaining),
-                                               rid=f"{base_rid}-r{resumes}")
+                                               rid=f"{base_rid}-r{resumes}", **self._route_kw)
             self.stats.requests += 1
             self.stats.tokens_generated += len(result.output_ids)
             ids = ids + list(result.output_ids)
             logprobs = logprobs + list(result.output_logprobs or [])
             versions = versions + _token_versions(result, seg_version)
             if not result.aborted:
-                return ids, logprobs, versions, result.finish_reason, resumes
+                return ids, logprobs, versions, result.finish_reason, resumes, self._routes(result)
             if self._stopping:
                 return None
             resumes += 1
@@ -319,14 +343,14 @@ class RolloutScheduler:
         seg_version = self.staleness.version
         rid = f"g{group_id}" if count is None else f"g{group_id}-c{first}"
         results = await self.proxy.generate_n(list(prompt.prompt_ids), self._params(self.settings.max_new_tokens),
-                                              n, rid=rid)
+                                              n, rid=rid, **self._route_kw)
         self.stats.requests += 1
         self.stats.tokens_generated += sum(len(r.output_ids) for r in results)
 
         async def one(i: int, r: Any) -> Optional[Sample]:
             ids, lps, vs = list(r.output_ids), list(r.output_logprobs or []), _token_versions(r, seg_version)
             if not r.aborted:
-                return await self._finish(prompt, group_id, version, ids, lps, vs, r.finish_reason, 0)
+                return await self._finish(prompt, group_id, version, ids, lps, vs, r.finish_reason, 0, self._routes(r))
             if self._stopping:
                 return None
             # A push with pause mode abort: this sample goes on alone from its prefix.
@@ -336,7 +360,7 @@ class RolloutScheduler:
         return list(await asyncio.gather(*[one(i, r) for i, r in enumerate(results)]))
 
     async def _finish(self, prompt: Any, group_id: int, version: int, ids: list[int], logprobs: list[float],
-                      versions: list[Optional[int]], finish: str, resumes: int) -> Sample:
+                      versions: list[Optional[int]], finish: str, resumes: int, routes: Any = None) -> Sample:
         finished = finish == "stop"
         outcome = await self.reward_pool.score(self.decode(ids), prompt.answer, finished=finished,
                                                prompt=prompt.text, meta=getattr(prompt, "meta", None))
@@ -346,7 +370,7 @@ class RolloutScheduler:
                       reward=float(outcome.reward), group_id=group_id, finished=finished, version_start=version,
                       version_end=max(known) if known else self.staleness.version, token_versions=token_versions,
                       prompt_index=getattr(prompt, "index", -1), finish_reason=finish,
-                      reward_failed=bool(outcome.failed), num_resumes=resumes)
+                      reward_failed=bool(outcome.failed), num_resumes=resumes, routed_experts=routes)
 
 
 def _token_versions(result: Any, seg_version: int) -> list[Optional[int]]:

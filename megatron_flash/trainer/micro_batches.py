@@ -45,6 +45,9 @@ class Micro:
     index: Optional[torch.Tensor] = None  # [n, w] positions in the packed row
     valid: Optional[torch.Tensor] = None  # [n, w]
     real: Optional[torch.Tensor] = None  # [r, T] bool: a sample's token (not padding, not a filler)
+    routable: Optional[torch.Tensor] = None  # [r, T] bool: a token (a filler's too), not padding
+    routes: Optional[torch.Tensor] = None  # [r, T, layers * top_k] the engine's experts (routing replay)
+    routed: Optional[torch.Tensor] = None  # [r, T] bool: the token has a recorded route
 
     @property
     def row_len(self) -> int:
@@ -99,7 +102,8 @@ def build_micro_batches(batch: TrainBatch, opts: BatchingOptions, *, dp_rank: in
 
 
 def _fields(batch: TrainBatch, rows: torch.Tensor, width: int, device: torch.device) -> TrainBatch:
-    return batch.map(lambda t: t[rows][:, :width].to(device), lambda t: t[rows].to(device), drop=("lengths",))
+    return batch.map(lambda t: t[rows][:, :width].to(device), lambda t: t[rows].to(device),
+                     drop=("lengths", "routed_experts"))
 
 
 def _packed(batch: TrainBatch, lengths: list[int], opts: BatchingOptions, *, dp_rank: int,
@@ -121,8 +125,18 @@ def _packed(batch: TrainBatch, lengths: list[int], opts: BatchingOptions, *, dp_
         index, valid = unpack_index(mb, width)
         real = torch.arange(mb.row_len)[None, :] < (0 if mb.filler else mb.num_tokens)
         m = Micro(tokens=row.to(device), positions=positions.to(device), fields=fields,
-                  sample_ids=torch.full((1,), -1) if mb.filler else rows, index=index, valid=valid, real=real)
+                  sample_ids=torch.full((1,), -1) if mb.filler else rows, index=index, valid=valid, real=real,
+                  routable=torch.arange(mb.row_len)[None, :] < mb.num_tokens)
         m.packed_seq_params = packed_seq_params(mb.segment_lengths(), device)
+        if batch.routed_experts is not None and not mb.filler:
+            m.routes = torch.cat([batch.routed_experts[i, :n] for i, n in zip(mb.indices, mb.lengths)]
+                                 + [batch.routed_experts.new_zeros(mb.row_len - mb.num_tokens,
+                                                                   batch.routed_experts.shape[-1])])[None]
+            m.routed = torch.cat([torch.arange(n) < n - 1 for n in mb.lengths]
+                                 + [torch.zeros(mb.row_len - mb.num_tokens, dtype=torch.bool)])[None]
+        elif batch.routed_experts is not None:  # a filler row: nothing recorded, own routing is as good
+            m.routes = batch.routed_experts.new_zeros(1, mb.row_len, batch.routed_experts.shape[-1])
+            m.routed = torch.zeros(1, mb.row_len, dtype=torch.bool)
         micro.append(m)
     return micro
 
@@ -155,14 +169,22 @@ def _padded(batch: TrainBatch, opts: BatchingOptions, *, dp_rank: int, dp_size: 
     if width != seq:
         fields = fields.map(lambda t: torch.nn.functional.pad(t, (0, width - seq)), lambda t: t)
     positions = torch.arange(width, device=device).unsqueeze(0).expand(mbs, width)
-    lengths = torch.tensor(sample_lengths(batch))[rows] * real
+    row_lengths = torch.tensor(sample_lengths(batch))[rows]  # a filler row is a copy of row 0
+    lengths = row_lengths * real
     tokens_real = torch.arange(width)[None, :] < lengths[:, None]
+    routable = torch.arange(width)[None, :] < row_lengths[:, None]
+    routes = routed = None
+    if batch.routed_experts is not None:
+        routes = torch.nn.functional.pad(batch.routed_experts[rows], (0, 0, 0, width - seq))
+        routed = torch.arange(width)[None, :] < (lengths[:, None] - 1)
     micro = []
     for lo in range(0, per_rank, mbs):
         part = fields.rows(slice(lo, lo + mbs))
         micro.append(Micro(tokens=part.tokens, positions=positions, fields=part,
                            sample_ids=torch.where(real[lo:lo + mbs], ids[lo:lo + mbs], -1),
-                           real=tokens_real[lo:lo + mbs]))
+                           real=tokens_real[lo:lo + mbs], routable=routable[lo:lo + mbs],
+                           routes=None if routes is None else routes[lo:lo + mbs],
+                           routed=None if routed is None else routed[lo:lo + mbs]))
     return micro
 
 

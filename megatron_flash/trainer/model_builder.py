@@ -33,10 +33,12 @@ class MoEOptions:
     etp_size: Optional[int] = None  # None = the TP size
     aux_loss_coeff: Optional[float] = None  # None = the checkpoint's router_aux_loss_coef
     token_dispatcher: str = "auto"  # auto = alltoall with CUDA, allgather without
+    routing_replay: bool = False  # route every token as the engine did (trainer.moe_routing_replay=rollout)
 
 
 def validate_layout(spec: HFModelSpec, *, tp_size: int, pp_size: int, vpp_size: Optional[int] = None,
-                    moe: MoEOptions = MoEOptions(), sequence_parallel: bool = False, packed: bool = True) -> None:
+                    moe: MoEOptions = MoEOptions(), sequence_parallel: bool = False,
+                    recompute: str = "none") -> None:
     """Raise ValueError naming the quantity that the layout cannot split evenly."""
     checks = [
         ("num_attention_heads", spec.num_attention_heads, tp_size, "tensor_model_parallel_size"),
@@ -53,21 +55,21 @@ def validate_layout(spec: HFModelSpec, *, tp_size: int, pp_size: int, vpp_size: 
         if moe.aux_loss_coeff is not None:
             raise ValueError(f"model.moe_aux_loss_coeff={moe.aux_loss_coeff} needs a mixture-of-experts model; "
                              f"{spec.architecture} is dense")
+        if moe.routing_replay:
+            raise ValueError(f"trainer.moe_routing_replay=rollout needs a mixture-of-experts model; "
+                             f"{spec.architecture} is dense")
     else:
         etp = tp_size if moe.etp_size is None else moe.etp_size
         dispatcher = moe_dispatcher(moe)
         if dispatcher == "alltoall" and not torch.cuda.is_available():
             raise ValueError("model.moe_token_dispatcher=alltoall needs CUDA (megatron-core's all-to-all "
                              "dispatcher uses CUDA streams); use allgather on CPU")
-        aux = spec.moe.aux_loss_coef if moe.aux_loss_coeff is None else moe.aux_loss_coeff
-        if moe.ep_size > 1 and dispatcher == "allgather" and packed and aux > 0:
-            # Measured (docs/moe.md): the rows padded to equal length for the dispatcher end in a
-            # segment of pad tokens, and the load-balancing loss sends the embedding a gradient ~1e4-1e5
-            # times too large through it. Padded micro-batches are exact. Refused rather than trained wrong.
-            raise ValueError(f"model.moe_aux_loss_coeff={aux:g} (the load-balancing loss) with "
-                             f"parallel.expert_model_parallel_size={moe.ep_size}, the allgather token dispatcher and "
-                             "packed rows (trainer.pack_sequences=true) gives wrong gradients; set "
-                             "model.moe_aux_loss_coeff=0 or trainer.pack_sequences=false")
+        if moe.routing_replay and recompute == "full" and pp_size > 1:
+            # Megatron-Core 0.16 never switches its routers to REPLAY_BACKWARD: a layer re-run in the
+            # backward of a pipelined schedule would take a later micro-batch's routes.
+            raise ValueError("trainer.moe_routing_replay=rollout with trainer.recompute=full and "
+                             f"parallel.pipeline_model_parallel_size={pp_size} would replay the wrong "
+                             "micro-batch's routes in recomputed layers; use trainer.recompute=selective or none")
         if tp_size > 1 and not sequence_parallel:  # Megatron's MoE layer refuses to train otherwise
             raise ValueError(f"parallel.tensor_model_parallel_size={tp_size} with a mixture-of-experts model needs "
                              "parallel.sequence_parallel=true")
@@ -173,6 +175,9 @@ def moe_config_kwargs(spec: HFModelSpec, moe: MoEOptions) -> dict[str, Any]:
         moe_router_dtype="fp32",
         moe_token_dispatcher_type=moe_dispatcher(moe),
         moe_grouped_gemm=False,
+        # Every MoE model gets Megatron's router replay hooks (idle unless targets are set): routing
+        # agreement with the engine is measured with replay off too.
+        moe_enable_routing_replay=True,
         expert_model_parallel_size=moe.ep_size,
         expert_tensor_parallel_size=moe.etp_size,
     )

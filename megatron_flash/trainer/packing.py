@@ -15,8 +15,8 @@ The plan, computed identically on every rank from the global batch's sample leng
   3. Row length: the bin's tokens rounded up to `pad_multiple` (TP size, for sequence parallel).
      Pipeline stages exchange activations of one fixed shape, so with PP > 1 every row of the step
      is padded to the longest row (`equal_rows`): the waste is one bin's slack, not each sample's.
-  4. A rank with no sample (fewer samples than DP ranks) gets one filler micro-batch: a single pad
-     token with no trained token, so every rank runs the same collective schedule.
+  4. A rank with no sample (fewer samples than DP ranks) gets one filler micro-batch: the first token
+     of sample 0 (then padding), trained on nothing, so every rank runs the same collective schedule.
 
 Worked example: lengths [9, 2, 7, 3, 5, 1], DP 2, budget 10, no sample cap. Longest first, to the
 lighter rank (ties to rank 0): 9→r0, 7→r1, 5→r1, 3→r0, 2→r0 (12 = 12), 1→r1; loads 14 and 13.
@@ -43,7 +43,7 @@ class MicroBatch:
     indices: tuple[int, ...]
     lengths: tuple[int, ...]
     row_len: int  # tokens in the row, padding included (>= sum(lengths))
-    filler: bool = False  # a rank with no sample: one pad token that trains nothing
+    filler: bool = False  # a rank with no sample: sample 0's first token, trains nothing
 
     @property
     def num_tokens(self) -> int:
@@ -94,7 +94,7 @@ def plan_micro_batches(lengths: Sequence[int], *, dp_size: int, max_tokens: int 
     """Micro-batches for every DP rank (list index = DP rank).
 
     `min_micro_batches` / `micro_batch_multiple`: the interleaved pipeline schedule needs at least PP
-    micro-batches and a count it can group by PP; extra micro-batches are fillers (one pad token).
+    micro-batches and a count it can group by PP; extra micro-batches are fillers (sample 0's first token).
     `equal_counts`: every DP rank runs as many micro-batches as the busiest (MoE under expert
     parallelism: the token dispatch is a collective over ranks of different DP ranks, once per
     micro-batch and layer); `equal_rows`: every row has the step's longest row length (pipeline

@@ -56,6 +56,24 @@ def _require_batch(batch: Any, what: str) -> TrainBatch:
     return batch
 
 
+def moe_padding_mask(model: Any, routable: torch.Tensor) -> torch.Tensor:
+    """Megatron's MoE padding mask ([r, T], True = padding) for one forward: padding stays out of
+    the load-balancing loss and the router's token counts. Without it a packed row's padding tail
+    (zero hidden states, its own attention segment) sent the loss's gradient through RMSNorm at 0,
+    scaled by 1/sqrt(eps), into the embedding (measured ~1e5 x the policy gradient at EP2).
+    GPTModel scatters the mask over sequence-parallel ranks on the first pipeline stage only: later
+    stages get their slice here."""
+    pad = ~routable
+    inner = getattr(model, "module", model)
+    if inner.config.sequence_parallel and not inner.pre_process:
+        from megatron.core import parallel_state as ps
+
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        part = pad.shape[1] // tp
+        pad = pad[:, rank * part:(rank + 1) * part]
+    return pad
+
+
 @dataclasses.dataclass
 class PolicySettings:
     """What the policy needs from the run config; the optimizer section is the config's own."""
@@ -98,7 +116,8 @@ class PolicySettings:
                                recompute_method=t.recompute_method or "uniform",
                                recompute_num_layers=t.recompute_num_layers or 1),
             moe=MoEOptions(ep_size=p.expert_model_parallel_size, etp_size=p.expert_tensor_parallel_size,
-                           aux_loss_coeff=model.moe_aux_loss_coeff, token_dispatcher=model.moe_token_dispatcher),
+                           aux_loss_coeff=model.moe_aux_loss_coeff, token_dispatcher=model.moe_token_dispatcher,
+                           routing_replay=t.moe_routing_replay == "rollout"),
             seed=t.seed, optimizer_steps=t.total_steps * t.num_epochs * t.num_mini_batches,
             make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
             use_transformer_engine=model.use_transformer_engine, backend=p.backend,
@@ -112,7 +131,8 @@ class MegatronPolicy:
         self.spec: HFModelSpec = read_hf_spec(s.hf_path)
         vpp = s.scale.virtual_pipeline_size
         validate_layout(self.spec, tp_size=s.tp_size, pp_size=s.pp_size, vpp_size=vpp, moe=s.moe,
-                        sequence_parallel=s.scale.sequence_parallel, packed=s.pack_sequences)
+                        sequence_parallel=s.scale.sequence_parallel,
+                        recompute=s.scale.recompute)
         self.uses_te = use_te(s.use_transformer_engine)
         check_scale_options(s.scale, optimizer=s.optimizer, uses_te=self.uses_te)
         self.layout: Layout = init_distributed(tp_size=s.tp_size, pp_size=s.pp_size, seed=s.seed, backend=s.backend,
@@ -128,11 +148,15 @@ class MegatronPolicy:
         self.chunks: list[Any] = self._wrap_ddp(self._build_chunks())
         self.optimizer, self.scheduler = self._build_optimizer()
         self.router_stats = None
+        self.routing: Any = None  # routing replay and its agreement metrics (MoE only)
         if self.spec.moe is not None:
             from megatron_flash.trainer.moe_metrics import RouterStats
+            from megatron_flash.trainer.routing_replay import RoutingReplay
 
             self.router_stats = RouterStats(self.chunks, num_layers=self.spec.num_layers,
                                             num_experts=self.spec.moe.num_experts)
+            self.routing = RoutingReplay(self.chunks, num_layers=self.spec.num_layers, top_k=self.spec.moe.top_k,
+                                         replay=s.moe.routing_replay)
         self._reference: Optional[list[torch.nn.Module]] = None
 
     @property
@@ -158,6 +182,8 @@ class MegatronPolicy:
                 for p in chunk.parameters():
                     p.requires_grad_(False)
                 chunk.eval()
+            if self.routing is not None:
+                self.routing.attach(chunks)
             self._reference = chunks
         return self._reference
 
@@ -239,12 +265,16 @@ class MegatronPolicy:
 
     @staticmethod
     def _forward_step(loss_factory: Callable[[Micro], Callable[[torch.Tensor], Any]], router_stats: Any,
-                      data: Iterator[Micro], model: Any) -> tuple[torch.Tensor, Any]:
+                      routing: Any, data: Iterator[Micro], model: Any) -> tuple[torch.Tensor, Any]:
         m = next(data)
         if router_stats is not None:  # the routers of this forward see this micro-batch's tokens
             router_stats.current = m.real
+        kwargs = {}
+        if routing is not None:
+            routing.before_forward(model, m.routes, m.routed)
+            kwargs["padding_mask"] = moe_padding_mask(model, m.routable.to(m.tokens.device))
         output = model(m.tokens, m.positions, attention_mask=None,
-                       packed_seq_params=m.packed_seq_params)
+                       packed_seq_params=m.packed_seq_params, **kwargs)
         return output, loss_factory(m)
 
     def _run(self, micro: list[Micro], *, forward_only: bool,
@@ -255,11 +285,15 @@ class MegatronPolicy:
         chunks = chunks if chunks is not None else self.chunks
         # Every chunk of an interleaved stage reads the same micro-batch sequence.
         data = [iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro)
-        return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, loss_factory, self.router_stats), data_iterator=data,
-            model=chunks, num_microbatches=len(micro), seq_length=micro[0].row_len,
-            micro_batch_size=int(micro[0].tokens.shape[0]), forward_only=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, loss_factory, self.router_stats, self.routing),
+                data_iterator=data, model=chunks, num_microbatches=len(micro), seq_length=micro[0].row_len,
+                micro_batch_size=int(micro[0].tokens.shape[0]), forward_only=forward_only,
+            )
+        finally:
+            if self.routing is not None:
+                self.routing.clear()
 
     def _gather(self, micro: list[Micro], store: list[dict[str, torch.Tensor]], key: str,
                 shape: tuple[int, ...]) -> torch.Tensor:
@@ -278,14 +312,17 @@ class MegatronPolicy:
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, *, temperature: float = 1.0,
-                         with_entropy: bool = False,
-                         reference: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                         with_entropy: bool = False, reference: bool = False,
+                         own_routing: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Logprobs (and entropy) of `batch.tokens`, [B, S] on every rank (0 past each sample's
         `lengths`), forward only; of the frozen start checkpoint instead of the trained weights when
-        `reference`."""
+        `reference`. With routing replay on, the batch must carry its routes unless `own_routing`
+        (sequences no engine generated, e.g. the post-sync probe)."""
         batch = _require_batch(batch, "compute_logprobs")
+        self._check_routes(batch, required=not own_routing)
         micro = self._micro_batches(TrainBatch(tokens=batch.tokens, lengths=batch.lengths,
-                                               loss_mask=torch.zeros_like(batch.tokens, dtype=torch.float32)))
+                                               loss_mask=torch.zeros_like(batch.tokens, dtype=torch.float32),
+                                               routed_experts=batch.routed_experts))
 
         def factory(m: Micro) -> Callable[[torch.Tensor], Any]:
             def loss_func(output: torch.Tensor) -> Any:
@@ -329,7 +366,7 @@ class MegatronPolicy:
     def train_step(self, batch: TrainBatch, loss_fn: MicroBatchLossFn, *, temperature: float = 1.0,
                    with_entropy: bool = False) -> dict[str, float]:
         """One optimizer step on `batch`. Returns metrics (token-weighted means) on every rank."""
-        micro = self._micro_batches(_require_batch(batch, "train_step"))
+        micro = self._micro_batches(self._check_routes(_require_batch(batch, "train_step")))
 
         def factory(m: Micro) -> Callable[[torch.Tensor], Any]:
             def loss_func(output: torch.Tensor) -> Any:
@@ -346,6 +383,8 @@ class MegatronPolicy:
         self.optimizer.zero_grad()
         if self.router_stats is not None:
             self.router_stats.reset()
+        if self.routing is not None:
+            self.routing.counts.zero_()  # agreement of this step's training forwards only
         store = self._run(micro, forward_only=False, loss_factory=factory)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
         update_ok, grad_norm, _ = self.optimizer.step()
@@ -356,7 +395,29 @@ class MegatronPolicy:
         metrics["tokens_computed"] = float(sum(m.tokens.numel() for m in micro))
         if self.router_stats is not None:
             metrics.update(self.router_stats.collect(len(micro), self.device))
+            metrics.update(self.routing.collect(self.device))
         return metrics
+
+    def _check_routes(self, batch: TrainBatch, required: bool = True) -> TrainBatch:
+        """Routing replay needs every sample's routes, laid out for this model."""
+        routes = batch.routed_experts
+        if self.routing is None:
+            if routes is not None:
+                raise ValueError(f"the batch carries routed_experts but {self.spec.architecture} is dense")
+            return batch
+        want = self.spec.num_layers * self.spec.moe.top_k
+        if routes is None:
+            if self.routing.replay and required:
+                raise ValueError("trainer.moe_routing_replay=rollout but the batch's samples carry no "
+                                 "routed_experts (engines not asked for routes, or groups dumped without them)")
+            return batch
+        if routes.shape[-1] != want:
+            raise ValueError(f"routed_experts has {routes.shape[-1]} ids per token; this model routes "
+                             f"{self.spec.num_layers} layers × top-{self.spec.moe.top_k} = {want}")
+        if int(routes.max()) >= self.spec.moe.num_experts:
+            raise ValueError(f"routed_experts names expert {int(routes.max())}; the model has "
+                             f"{self.spec.moe.num_experts}")
+        return batch
 
     def _reduce_metrics(self, store: list[dict[str, torch.Tensor]], *, grad_norm: Any, update_ok: bool) -> dict[str, float]:
         from megatron.core import parallel_state as ps

@@ -87,7 +87,9 @@ def run_probe(policy: Any, urls: Sequence[str], *, api_key: Optional[str], timeo
     from megatron_flash.types import TrainBatch
 
     tokens = probe_tokens(policy.spec.vocab_size)
-    trainer, _ = policy.compute_logprobs(TrainBatch(tokens=tokens, loss_mask=torch.zeros(tokens.shape)))
+    # Random sequences no engine generated: a MoE trainer routes them itself (the engine too).
+    trainer, _ = policy.compute_logprobs(TrainBatch(tokens=tokens, loss_mask=torch.zeros(tokens.shape)),
+                                         own_routing=True)
     if not rank0:
         return None
 

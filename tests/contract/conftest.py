@@ -76,8 +76,10 @@ def _start_cpu_server(model_dir: str, port: int, log_path: str, *, api_key: str 
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def launch_engine(backend: str, model_dir: str, log_dir: str, *, api_key: str | None = None) -> EngineServer:
-    """Start a server of `backend` on a free loopback port and wait (with a deadline) for /health."""
+def launch_engine(backend: str, model_dir: str, log_dir: str, *, api_key: str | None = None,
+                  sglang_args: list[str] | None = None) -> EngineServer:
+    """Start a server of `backend` on a free loopback port and wait (with a deadline) for /health.
+    `sglang_args`: server flags SGLang needs and the CPU engine does not (it has no such switches)."""
     port = free_ports()
     log_path = os.path.join(log_dir, f"{backend}-{port}.log")
     if backend == "cpu":
@@ -85,7 +87,7 @@ def launch_engine(backend: str, model_dir: str, log_dir: str, *, api_key: str | 
     elif backend == "sglang":  # HOOK: provided by the real-SGLang tier
         from tests.contract.sglang_backend import start_sglang_server
 
-        proc = start_sglang_server(model_dir, port, log_path, api_key=api_key)
+        proc = start_sglang_server(model_dir, port, log_path, api_key=api_key, extra_args=sglang_args)
     else:
         raise ValueError(f"unknown backend {backend!r}; known: cpu, sglang")
     server = EngineServer(backend=backend, url=f"http://127.0.0.1:{port}", model_dir=model_dir, proc=proc,

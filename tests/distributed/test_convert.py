@@ -73,6 +73,16 @@ def test_qwen3_tied_pp2_to_tp2(tiny_models, tmp_path) -> None:
     _assert_same_tensors(tiny_models["qwen3"], out)
 
 
+def test_moe_ep2_checkpoint_exports_bit_exact_at_other_layouts(tiny_models, tmp_path) -> None:
+    """Experts saved from two expert-parallel ranks load at EP1 and at TP2 × EP2 (with SP)."""
+    ckpt = str(tmp_path / "ckpt")
+    assert _convert(["hf-to-mcore", "--hf", tiny_models["qwen3_moe"], "--out", ckpt, "--ep", "2"], nproc=2)["ep"] == 2
+    for tp, ep in ((1, 1), (2, 2)):
+        out = str(tmp_path / f"hf_tp{tp}_ep{ep}")
+        _convert(["mcore-to-hf", "--ckpt", ckpt, "--out", out, "--tp", str(tp), "--ep", str(ep)], nproc=tp * ep)
+        _assert_same_tensors(tiny_models["qwen3_moe"], out)
+
+
 @pytest.mark.parametrize("args,message", [
     (["mcore-to-hf", "--ckpt", "{tmp}/no_such_ckpt", "--out", "{tmp}/out"], "checkpoint directory '{tmp}/no_such_ckpt' does not exist"),
     (["mcore-to-hf", "--ckpt", "{tmp}", "--out", "{tmp}/out"], "is not a Megatron distributed checkpoint (no metadata.json)"),

@@ -11,15 +11,19 @@
   ref_moe     1   1   1    1    sgd                      MoE reference (load-balancing loss off, below)
   ep2         1   1   2    2    sgd                      MoE: 4 of 8 experts per rank, tokens dispatched
   tp2sp_ep2   2   1   2    4    sgd                      MoE: experts split over EP, each over TP (+SP)
+  dp2_aux     1   1   2    2    sgd                      MoE reference with the load-balancing loss (0.1)
+  ep2_aux     1   1   2    2    sgd                      the same micro-batches at EP2: rows padded to one
+                                                         length for the dispatcher, padding masked out
 
 Each case loads the same HF checkpoint, records logprobs of a fixed batch, exports HF right after
 load (must equal the source file bit for bit), takes one optimizer step on a fixed weighted-NLL loss
 with micro-batch 2 (so the reference accumulates 4 micro-batches and dp2 2 per rank) and exports
 again. Equal gradients ⇒ equal SGD updates, so the weights after the step are compared at 1e-5. Megatron's
-distributed optimizer only supports Adam, so dp2 is compared with an Adam reference instead. The MoE
-rows run without the load-balancing loss: it is computed per micro-batch over the tokens it holds
-(pad tokens included), so it is not invariant to how a layout splits the batch, while the policy
-loss is.
+distributed optimizer only supports Adam, so dp2 is compared with an Adam reference instead. The first
+MoE rows run without the load-balancing loss: it is computed per micro-batch over the tokens it holds,
+so it is not invariant to how a layout groups samples into micro-batches, while the policy loss is.
+ep2_aux and dp2_aux hold the same micro-batches (DP2 both), so with the loss on (coefficient 0.1,
+100x the checkpoint's) they must agree too: the EP2 rows carry padding the DP2 rows do not.
 """
 
 from __future__ import annotations
@@ -42,12 +46,14 @@ CASES = {
     "ref_moe": dict(tp=1, pp=1, nproc=1, extra=["--moe-aux", "0"], ref="ref_moe"),
     "ep2": dict(tp=1, pp=1, nproc=2, extra=["--ep", "2", "--moe-aux", "0"], ref="ref_moe"),
     "tp2sp_ep2": dict(tp=2, pp=1, nproc=4, extra=["--ep", "2", "--sp", "--moe-aux", "0"], ref="ref_moe"),
+    "dp2_aux": dict(tp=1, pp=1, nproc=2, extra=["--moe-aux", "0.1"], ref="dp2_aux"),
+    "ep2_aux": dict(tp=1, pp=1, nproc=2, extra=["--ep", "2", "--moe-aux", "0.1"], ref="dp2_aux"),
 }
 FAMILY_CASES = {
     "llama": ["ref", "tp2", "pp2", "tp2pp2", "ref_adam", "dp2"],
     "qwen3": ["ref", "tp2", "pp2", "tp2pp2"],
     "qwen2": ["ref", "tp2pp2"],
-    "qwen3_moe": ["ref_moe", "ep2", "tp2sp_ep2"],
+    "qwen3_moe": ["ref_moe", "ep2", "tp2sp_ep2", "dp2_aux", "ep2_aux"],
 }
 
 

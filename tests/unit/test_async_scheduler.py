@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import re
 import threading
 import time
 from types import SimpleNamespace
 from typing import Any, Optional
 
 import pytest
+import torch
 
 from megatron_flash.buffer.sample_buffer import SampleBuffer
 from megatron_flash.buffer.staleness import StalenessManager
@@ -48,6 +50,11 @@ class Rewards:
         return SimpleNamespace(reward=0.0 if failed else float(sum(map(ord, text)) % 3), failed=failed, error="")
 
 
+def route_of(token: int) -> list[int]:
+    """The fake MoE engine's experts (2 layers × top-2) for a token: a function of the token alone."""
+    return [token % 8, (token + 1) % 8, (token * 3) % 8, (token * 3 + 1) % 8]
+
+
 def tokens_for(prompt_ids: list[int], version: int, sample: int, length: int) -> list[int]:
     """Deterministic 'generation': a function of the prompt, the weights and the sample index."""
     rng = random.Random(hash((tuple(prompt_ids), version, sample)))
@@ -58,15 +65,17 @@ class FakeProxy:
     """generate() takes `latency(rid)` seconds; push(version, abort=True) ends in-flight requests
     with their partial output (pause mode abort) and switches the weights."""
 
-    def __init__(self, latency, *, length: int = 6, fail_rids: tuple[str, ...] = ()) -> None:
+    def __init__(self, latency, *, length: int = 6, fail_rids: tuple[str, ...] = (), routes: bool = False) -> None:
         self.latency, self.length, self.fail_rids = latency, length, set(fail_rids)
+        self.routes = routes  # answer return_routed_experts (a MoE engine that records routes)
         self.version = 0
         self.inflight: dict[str, asyncio.Event] = {}
         self.requests: list[tuple[str, list[int]]] = []
         self.parallel: list[tuple[str, int]] = []  # generate_n calls: (rid, n)
         self.loop: Optional[asyncio.AbstractEventLoop] = None
 
-    async def generate(self, input_ids, params, *, rid: str, return_logprob: bool = True) -> GenerateResult:
+    async def generate(self, input_ids, params, *, rid: str, return_logprob: bool = True,
+                       return_routed_experts: bool = False) -> GenerateResult:
         self.loop = asyncio.get_running_loop()
         self.requests.append((rid, list(input_ids)))
         if rid in self.fail_rids:
@@ -88,15 +97,20 @@ class FakeProxy:
             self.inflight.pop(rid, None)
         if aborted:  # a push cut it: half of its tokens were produced (deterministic for the tests)
             ids = ids[:len(ids) // 2]
+        routes = None
+        if return_routed_experts and self.routes and not aborted:
+            routes = torch.tensor([route_of(t) for t in (list(input_ids) + ids)[:-1]], dtype=torch.uint8)
         return GenerateResult(rid=rid, output_ids=ids, output_logprobs=[-0.5] * len(ids),
                               finish_reason="abort" if aborted else ("length" if len(ids) == want else "stop"),
-                              weight_version=str(version))
+                              weight_version=str(version), engine_url="http://fake:1", routed_experts=routes)
 
-    async def generate_n(self, input_ids, params, n: int, *, rid: str, return_logprob: bool = True):
+    async def generate_n(self, input_ids, params, n: int, *, rid: str, return_logprob: bool = True,
+                         return_routed_experts: bool = False):
         """SGLang `n`: here n sequential samples numbered from the chunk's first index ("g3-c4" → 4)."""
         self.parallel.append((rid, n))
         group, _, first = rid.partition("-c")
-        return [await self.generate(input_ids, params, rid=f"{group}-s{int(first or 0) + i}-r0") for i in range(n)]
+        return [await self.generate(input_ids, params, rid=f"{group}-s{int(first or 0) + i}-r0",
+                                    return_routed_experts=return_routed_experts) for i in range(n)]
 
     async def abort_all(self) -> None:
         for ev in list(self.inflight.values()):
@@ -127,7 +141,7 @@ class Harness:
 
 def start(*, alpha: int, batch: int, n: int, proxy: FakeProxy, extra: int = 0, stale_policy: str = "drop",
           replication: bool = True, group_filter=lambda r: True, rewards: Optional[Rewards] = None,
-          max_new_tokens: int = 6, chunk: int = 1) -> Harness:
+          max_new_tokens: int = 6, chunk: int = 1, routes: bool = False) -> Harness:
     m = StalenessManager(alpha=alpha, batch_size=batch, extra=extra * n)
     holder: dict[str, RolloutScheduler] = {}
     buf = SampleBuffer(m, stale_policy=stale_policy,
@@ -136,7 +150,7 @@ def start(*, alpha: int, batch: int, n: int, proxy: FakeProxy, extra: int = 0, s
                          buffer=buf, staleness=m,
                          settings=SchedulerSettings(n_samples_per_prompt=n, sampling_params={"temperature": 1.0},
                                                     max_new_tokens=max_new_tokens, prompt_replication=replication,
-                                                    replication_chunk=chunk),
+                                                    replication_chunk=chunk, return_routed_experts=routes),
                          decode=lambda ids: "".join(chr(97 + i % 26) for i in ids), poll_s=0.001)
     holder["s"] = s
     t = threading.Thread(target=lambda: asyncio.run(s.run()), daemon=True)
@@ -307,3 +321,38 @@ def test_replication_in_chunks_numbers_every_sample_once(replication, chunk, exp
         indices = [[i for i in range(8) if tokens_for(p.prompt_ids, s.version_end, i, 6) == s.response_ids]
                    for s in g.samples]
         assert sorted(i for found in indices for i in found) == list(range(8))
+
+
+@pytest.mark.parametrize("replication", [True, False])
+def test_samples_carry_the_routes_of_their_last_request_across_resumes(replication) -> None:
+    slow = {"before_push": True}  # requests started before the push wait for it; later ones are quick
+    h = start(alpha=1, batch=4, n=2, replication=replication, routes=True,
+              proxy=FakeProxy(lambda rid: 30.0 if slow["before_push"] else 0.01, routes=True))
+    deadline = time.monotonic() + 10
+    while len(h.proxy.inflight) < 4 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    slow["before_push"] = False
+    h.staleness.set_version(1)
+    h.proxy.push(1, abort=True)  # every first request is cut: routes come from the resumed one
+    groups = h.buffer.take_batch(4, timeout_s=10, poll_s=0.005)
+    h.scheduler.stop()
+    h.thread.join(10)
+    resumed = 0
+    for g in groups:
+        for s in g.samples:
+            tokens = s.prompt_ids + s.response_ids
+            resumed += s.num_resumes
+            assert s.routed_experts.tolist() == [route_of(t) for t in tokens[:-1]]
+    assert resumed >= 2  # some came from a request that continued a cut prefix
+
+
+def test_an_engine_without_routes_stops_the_run_naming_it_and_the_flag() -> None:
+    h = start(alpha=1, batch=4, n=2, routes=True, proxy=FakeProxy(lambda rid: 0.001, routes=False))
+    from megatron_flash.buffer.sample_buffer import BufferClosed
+
+    with pytest.raises(BufferClosed) as stopped:  # the trainer's wait ends with the cause chained
+        h.buffer.take_batch(4, timeout_s=10, poll_s=0.005)
+    assert re.search(r"http://fake:1.*--enable-return-routed-experts", str(stopped.value.__cause__))
+    h.scheduler.stop()
+    h.thread.join(10)
+    assert not h.thread.is_alive()

@@ -63,6 +63,7 @@ def test_reads_moe_config(tmp_path) -> None:
     ("mlp_only_layers", [1], r"mlp_only_layers=\[1\]: dense layers between MoE layers are not supported"),
     ("decoder_sparse_step", 2, "decoder_sparse_step=2: dense layers between MoE layers"),
     ("num_experts_per_tok", 9, "num_experts_per_tok=9 must be in 1..num_experts=8"),
+    ("num_experts_per_tok", 1, "num_experts_per_tok=1 with norm_topk_prob=true is not representable"),
 ])
 def test_moe_variants_the_trainer_cannot_represent_are_named(tmp_path, field, value, message) -> None:
     with pytest.raises(CheckpointError, match=message):

@@ -67,6 +67,7 @@ ALTERNATIVES: dict[str, list[str]] = {
     "trainer.recompute": ["trainer.recompute=selective"],
     "trainer.recompute_method": ["trainer.recompute_method=block"],
     "trainer.recompute_num_layers": ["trainer.recompute_num_layers=2"],
+    "trainer.moe_routing_replay": ["trainer.moe_routing_replay=rollout"],
 }
 # Consumed by the controller's loop (batching of rollout data, run mode), not by Megatron.
 CONTROLLER_FIELDS = {"trainer.global_batch_size", "trainer.num_epochs", "trainer.num_mini_batches",
@@ -85,7 +86,7 @@ def megatron_view(overrides: list[str], spec: HFModelSpec = SPEC) -> dict[str, A
     cfg = load_config(None, BASE + overrides)
     s = PolicySettings.from_sections(model=cfg.model, parallel=cfg.parallel, trainer=cfg.trainer, optimizer=cfg.optimizer)
     validate_layout(spec, tp_size=s.tp_size, pp_size=s.pp_size, vpp_size=s.scale.virtual_pipeline_size, moe=s.moe,
-                    sequence_parallel=s.scale.sequence_parallel, packed=s.pack_sequences)
+                    sequence_parallel=s.scale.sequence_parallel, recompute=s.scale.recompute)
     uses_te = use_te(s.use_transformer_engine)
     check_scale_options(s.scale, optimizer=s.optimizer, uses_te=uses_te)
     return {
@@ -95,6 +96,7 @@ def megatron_view(overrides: list[str], spec: HFModelSpec = SPEC) -> dict[str, A
                                       s.scale.context_parallel_size, s.backend, s.seed, s.moe.ep_size, s.moe.etp_size),
         "micro_batches": (s.pack_sequences, s.micro_batch_size, s.max_tokens_per_micro_batch, s.max_seq_len),
         "scheduler": s.optimizer_steps,
+        "router_replay": s.moe.routing_replay,  # the routers' replay action (trainer/routing_replay.py)
     }
 
 
@@ -168,13 +170,9 @@ def test_expert_fields_reach_megatron_for_a_moe_model() -> None:
 def test_moe_layout_rules_name_what_failed() -> None:
     with pytest.raises(ValueError, match="num_experts=8 is not divisible by parallel.expert_model_parallel_size=3"):
         megatron_view(["parallel.expert_model_parallel_size=3", "model.moe_aux_loss_coeff=0"], MOE_SPEC)
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match=r"model.moe_aux_loss_coeff=0.001 \(the load-balancing loss\) with "
-                                             "parallel.expert_model_parallel_size=2, the allgather token dispatcher "
-                                             r"and packed rows \(trainer.pack_sequences=true\)"):
-            megatron_view(["parallel.expert_model_parallel_size=2"], MOE_SPEC)
-        padded = megatron_view(["parallel.expert_model_parallel_size=2", "trainer.pack_sequences=false"], MOE_SPEC)
-        assert padded["TransformerConfig"]["moe_aux_loss_coeff"] == 0.001
+    for packing in ("true", "false"):  # the load-balancing loss works with EP, packed or padded
+        ep = megatron_view(["parallel.expert_model_parallel_size=2", f"trainer.pack_sequences={packing}"], MOE_SPEC)
+        assert ep["TransformerConfig"]["moe_aux_loss_coeff"] == 0.001
     with pytest.raises(ValueError, match="moe_intermediate_size=32 is not divisible by "
                                          "parallel.expert_tensor_parallel_size=3"):
         megatron_view(["parallel.expert_tensor_parallel_size=3"], MOE_SPEC)
@@ -185,3 +183,15 @@ def test_moe_layout_rules_name_what_failed() -> None:
                          MOE_SPEC)["TransformerConfig"]["sequence_parallel"] is True
     with pytest.raises(ValueError, match="model.moe_aux_loss_coeff=0.01 needs a mixture-of-experts model"):
         megatron_view(["model.moe_aux_loss_coeff=0.01"])
+
+
+def test_routing_replay_reaches_the_routers_and_refuses_what_would_replay_wrong() -> None:
+    assert megatron_view(["trainer.moe_routing_replay=rollout"], MOE_SPEC)["router_replay"] is True
+    assert megatron_view([], MOE_SPEC)["TransformerConfig"]["moe_enable_routing_replay"] is True
+    with pytest.raises(ValueError, match="trainer.moe_routing_replay=rollout needs a mixture-of-experts model"):
+        megatron_view(["trainer.moe_routing_replay=rollout"])
+    with pytest.raises(ValueError, match="trainer.moe_routing_replay=rollout with trainer.recompute=full and "
+                                         "parallel.pipeline_model_parallel_size=2"):
+        megatron_view(["trainer.moe_routing_replay=rollout", "trainer.recompute=full",
+                       "parallel.pipeline_model_parallel_size=2"], MOE_SPEC)
+    megatron_view(["trainer.moe_routing_replay=rollout", "trainer.recompute=full"], MOE_SPEC)  # PP1: fine

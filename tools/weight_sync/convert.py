@@ -1,10 +1,12 @@
-"""Convert between HF safetensors and a Megatron-Core distributed checkpoint, at any TP × PP.
+"""Convert between HF safetensors and a Megatron-Core distributed checkpoint, at any TP × PP (× EP).
 
     python tools/weight_sync/convert.py hf-to-mcore --hf runs/tiny_model --out runs/tiny_mcore
     torchrun --nproc-per-node 2 tools/weight_sync/convert.py hf-to-mcore --hf DIR --out CKPT --tp 2
     python tools/weight_sync/convert.py mcore-to-hf --ckpt CKPT --out HF_OUT
     torchrun --nproc-per-node 2 tools/weight_sync/convert.py mcore-to-hf --ckpt CKPT --out HF_OUT --pp 2 \\
         --hf-config DIR            # config.json / tokenizer from DIR instead of the copy inside CKPT
+    torchrun --nproc-per-node 2 tools/weight_sync/convert.py hf-to-mcore --hf MOE_DIR --out CKPT --ep 2
+                                   # MoE: experts split over 2 expert-parallel ranks (TP > 1 adds sequence parallel)
 
 hf-to-mcore builds this rank's Megatron stage (the same builder and HF reader as the trainer's
 policy, without DDP or optimizer), reads its shard from the HF safetensors and saves
@@ -77,16 +79,27 @@ def check_out(path: str) -> None:
 
 
 # ---------------------------------------------------------------------- model stage
-def build_stage(hf_dir: str, *, tp: int, pp: int, dtype: str, divisible_by: int) -> tuple[Any, Any, Any, int]:
+def build_stage(hf_dir: str, *, tp: int, pp: int, dtype: str, divisible_by: int,
+                ep: int = 1) -> tuple[Any, Any, Any, int]:
     """(stage, spec, layout, padded_vocab) for this rank; parameters hold Megatron's init."""
     from megatron_flash.trainer.distributed import init_distributed
-    from megatron_flash.trainer.model_builder import build_gpt_stage, padded_vocab_size, transformer_config, validate_layout
+    from megatron_flash.trainer.model_builder import (
+        MoEOptions,
+        ScaleOptions,
+        build_gpt_stage,
+        padded_vocab_size,
+        transformer_config,
+        validate_layout,
+    )
     from megatron_flash.hf.spec import read_hf_spec
 
     spec = read_hf_spec(hf_dir)
-    validate_layout(spec, tp_size=tp, pp_size=pp)
-    layout = init_distributed(tp_size=tp, pp_size=pp, seed=0)
-    config = transformer_config(spec, tp_size=tp, pp_size=pp, dtype=dtype)
+    moe = MoEOptions(ep_size=ep)
+    # Megatron's MoE layer needs sequence parallel under TP; it changes no weight.
+    scale = ScaleOptions(sequence_parallel=spec.moe is not None and tp > 1)
+    validate_layout(spec, tp_size=tp, pp_size=pp, moe=moe, sequence_parallel=scale.sequence_parallel)
+    layout = init_distributed(tp_size=tp, pp_size=pp, seed=0, ep_size=ep)
+    config = transformer_config(spec, tp_size=tp, pp_size=pp, dtype=dtype, scale=scale, moe=moe)
     stage = build_gpt_stage(spec, config=config, make_vocab_size_divisible_by=divisible_by, use_transformer_engine="false")
     return stage, spec, layout, padded_vocab_size(spec.vocab_size, divisible_by=divisible_by, tp_size=tp)
 
@@ -109,7 +122,8 @@ def hf_to_mcore(args: argparse.Namespace) -> dict[str, Any]:
         import psutil  # noqa: F401
     except ImportError:  # without it megatron's writer processes die and the save waits forever
         raise ConvertError("megatron-core's checkpoint writer needs psutil: pip install psutil") from None
-    stage, spec, layout, padded = build_stage(args.hf, tp=args.tp, pp=args.pp, dtype=args.dtype, divisible_by=args.divisible_by)
+    stage, spec, layout, padded = build_stage(args.hf, tp=args.tp, pp=args.pp, dtype=args.dtype,
+                                              divisible_by=args.divisible_by, ep=args.ep)
     load_hf_weights(stage, args.hf, spec=spec, layout=layout, padded_vocab_size=padded)
 
     out = os.path.abspath(args.out)
@@ -128,7 +142,7 @@ def hf_to_mcore(args: argparse.Namespace) -> dict[str, Any]:
                     shutil.copy(src, os.path.join(partial, HF_CONFIG_DIR, name))
             meta = {"format": "megatron-core dist_checkpointing (torch_dist)", "source": os.path.abspath(args.hf),
                     "hf_config": HF_CONFIG_DIR, "dtype": args.dtype, "family": spec.family,
-                    "saved_with": {"tp": args.tp, "pp": args.pp}, "padded_vocab_size": padded,
+                    "saved_with": {"tp": args.tp, "pp": args.pp, "ep": args.ep}, "padded_vocab_size": padded,
                     "vocab_size": spec.vocab_size}
             with open(os.path.join(partial, META_FILE), "w") as f:
                 json.dump(meta, f, indent=2)
@@ -138,7 +152,7 @@ def hf_to_mcore(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(partial, ignore_errors=True)
         raise
     dist.barrier()
-    return {"command": "hf-to-mcore", "out": out, "tp": args.tp, "pp": args.pp, "dtype": args.dtype,
+    return {"command": "hf-to-mcore", "out": out, "tp": args.tp, "pp": args.pp, "ep": args.ep, "dtype": args.dtype,
             "padded_vocab_size": padded}
 
 
@@ -165,13 +179,14 @@ def mcore_to_hf(args: argparse.Namespace) -> dict[str, Any]:
     padded = int(shapes[EMBEDDING_KEY].global_shape[0])
     if padded % args.tp:
         raise ConvertError(f"checkpoint vocabulary (padded to {padded}) cannot be split over --tp {args.tp}")
-    stage, spec, layout, got = build_stage(hf_config, tp=args.tp, pp=args.pp, dtype=dtype, divisible_by=padded // args.tp)
+    stage, spec, layout, got = build_stage(hf_config, tp=args.tp, pp=args.pp, dtype=dtype,
+                                           divisible_by=padded // args.tp, ep=args.ep)
     assert got == padded, (got, padded)
 
     loaded = dist_checkpointing.load(stage.sharded_state_dict(), args.ckpt)
     stage.load_state_dict(loaded, strict=True)
     export_hf(stage, args.out, spec=spec, layout=layout, source_dir=hf_config, dtype=DTYPES[dtype])
-    return {"command": "mcore-to-hf", "out": os.path.abspath(args.out), "tp": args.tp, "pp": args.pp,
+    return {"command": "mcore-to-hf", "out": os.path.abspath(args.out), "tp": args.tp, "pp": args.pp, "ep": args.ep,
             "dtype": dtype, "padded_vocab_size": padded}
 
 
@@ -189,8 +204,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     b.add_argument("--hf-config", default="", help="directory with config.json/tokenizer (default: CKPT/hf_config)")
     b.add_argument("--dtype", default="", help="default: the checkpoint's (mf_convert.json), else float32")
     for q in (a, b):
-        q.add_argument("--tp", type=int, default=1, help="tensor-parallel size (world = tp × pp × dp)")
+        q.add_argument("--tp", type=int, default=1, help="tensor-parallel size (world = tp × pp × dp; dp % ep == 0)")
         q.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+        q.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE checkpoints only)")
     return p.parse_args(argv)
 
 

@@ -17,7 +17,7 @@ from tests.conftest import run_tool
 
 
 @pytest.mark.gpu(1)
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-3), ("bfloat16", 5e-2)])
 def test_parity_one_gpu(tiny_models, family: str, dtype: str, tol: float) -> None:
     proc = run_tool(["tools/check_parity.py", "--hf-dir", tiny_models[family], "--dtype", dtype, "--tol", str(tol)])

@@ -4,6 +4,7 @@
     python tools/make_tiny_model.py --out /tmp/q3 --arch qwen3 --seed 3
     python tools/make_tiny_model.py --out /tmp/moe --arch qwen3_moe           # 8 experts, top-2
     python tools/make_tiny_model.py --out /tmp/big --num-layers 4 --hidden-size 256   # for benchmarks
+    python tools/make_tiny_model.py --out /tmp/chat --chat                   # agent gateway: tools, Hermes format
 
 The tokenizer is a character-level BPE model trained with the `tokenizers` library on the symbols of
 the built-in synthetic tasks (digits, lower-case letters, a few separators), so one symbol is one
@@ -11,6 +12,12 @@ token, which the synthetic tasks rely on. The model gets random weights (norm we
 perturbed away from their 1/0 init, so a conversion that drops them shows up in a parity check).
 Output: config.json, generation_config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json, special_tokens_map.json. The same arguments always give the same bytes.
+
+`--chat` makes the variant the agent gateway is tested with: a Qwen/Hermes-style chat template
+(`<|im_start|>role ... <|im_end|>`, tools listed in a system block, tool calls rendered as
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), `<|im_end|>` as end of turn, the symbols
+that markup needs, and BPE merges learned from it — so, as with real tokenizers, encoding a text can
+give other tokens than a model sampled for it.
 """
 
 from __future__ import annotations
@@ -26,22 +33,48 @@ from typing import Any
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 ALPHABET = list("0123456789abcdefghijklmnopqrstuvwxyz:=+-,|? ")
+CHAT_SPECIALS = ["<|im_start|>", "<|im_end|>"]
+CHAT_SYMBOLS = list('<>/_{}".\n')
+CHAT_MERGES = 40
+CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n"
+    "{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
+    "{%- for c in (m.tool_calls or []) %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHAT_CORPUS = [  # what the chat variant's merges are learned from
+    '<|im_start|>user\nwhat is 12+7?<|im_end|>\n<|im_start|>assistant\n',
+    '<tool_call>{"name": "calc", "arguments": {"expression": "12+7"}}</tool_call>',
+    '<|im_start|>tool\n19<|im_end|>\n<|im_start|>assistant\nanswer: 19',
+]
 
 
-def build_tokenizer() -> Any:
+def build_tokenizer(chat: bool = False) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
-    # vocab_size = specials + alphabet: the trainer learns no merges, so the model is per character.
-    trainer = trainers.BpeTrainer(
-        vocab_size=len(SPECIAL_TOKENS) + len(ALPHABET),
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=ALPHABET,
-        show_progress=False,
-    )
-    corpus = ["".join(ALPHABET)] * 4
+    if not chat:
+        tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+        # vocab_size = specials + alphabet: the trainer learns no merges, so the model is per character.
+        trainer = trainers.BpeTrainer(
+            vocab_size=len(SPECIAL_TOKENS) + len(ALPHABET),
+            special_tokens=SPECIAL_TOKENS,
+            initial_alphabet=ALPHABET,
+            show_progress=False,
+        )
+        corpus = ["".join(ALPHABET)] * 4
+    else:
+        alphabet = ALPHABET + CHAT_SYMBOLS
+        trainer = trainers.BpeTrainer(
+            vocab_size=len(SPECIAL_TOKENS) + len(CHAT_SPECIALS) + len(alphabet) + CHAT_MERGES,
+            special_tokens=SPECIAL_TOKENS + CHAT_SPECIALS,
+            initial_alphabet=alphabet,
+            show_progress=False,
+        )
+        corpus = ["".join(alphabet)] * 4 + CHAT_CORPUS * 8
     tokenizer.train_from_iterator(corpus, trainer=trainer)
     return tokenizer
 
@@ -87,17 +120,19 @@ def hf_config(*, arch: str, vocab_size: int, tie: bool, num_layers: int = 2, hid
 
 
 def make_model(*, out: str, arch: str, seed: int, tie: bool | None, num_layers: int = 2,
-               hidden_size: int = 64, num_experts: int = 8, top_k: int = 2) -> None:
+               hidden_size: int = 64, num_experts: int = 8, top_k: int = 2, chat: bool = False) -> None:
     import torch
     import transformers
 
     if arch not in ARCHS:
         raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     tie = (arch != "llama") if tie is None else tie
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(chat)
     vocab_size = tokenizer.get_vocab_size()
     config_dict = hf_config(arch=arch, vocab_size=vocab_size, tie=tie, num_layers=num_layers, hidden_size=hidden_size,
                             num_experts=num_experts, top_k=top_k)
+    eos = "<|im_end|>" if chat else "</s>"
+    config_dict["eos_token_id"] = tokenizer.token_to_id(eos)
 
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
@@ -118,10 +153,11 @@ def make_model(*, out: str, arch: str, seed: int, tie: bool | None, num_layers: 
         tokenizer.save(os.path.join(tmp, "tokenizer.json"))
         fast = transformers.PreTrainedTokenizerFast(
             tokenizer_file=os.path.join(tmp, "tokenizer.json"),
-            pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+            pad_token="<pad>", bos_token="<s>", eos_token=eos, unk_token="<unk>",
+            **({"additional_special_tokens": ["<|im_start|>"]} if chat else {}),
         )
         # A plain chat template for agentic tasks: role header, content, end of turn.
-        fast.chat_template = (
+        fast.chat_template = CHAT_TEMPLATE if chat else (
             "{% for m in messages %}{{ m['role'] }}|{{ m['content'] }}</s>{% endfor %}"
             "{% if add_generation_prompt %}assistant|{% endif %}"
         )
@@ -143,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden-size", type=int, default=64, help="4 attention heads, 2 KV heads, MLP 2x hidden")
     parser.add_argument("--num-experts", type=int, default=8, help="qwen3_moe: experts per layer")
     parser.add_argument("--top-k", type=int, default=2, help="qwen3_moe: experts per token")
+    parser.add_argument("--chat", action="store_true", help="the chat/tool-calling variant (see above)")
     tie = parser.add_mutually_exclusive_group()
     tie.add_argument("--tie-embeddings", dest="tie", action="store_true", default=None)
     tie.add_argument("--untie-embeddings", dest="tie", action="store_false")
@@ -150,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.arch != "qwen3_moe" and (args.num_experts, args.top_k) != (8, 2):
         parser.error("--num-experts and --top-k apply to --arch qwen3_moe only")
     make_model(out=args.out, arch=args.arch, seed=args.seed, tie=args.tie, num_layers=args.num_layers,
-               hidden_size=args.hidden_size, num_experts=args.num_experts, top_k=args.top_k)
+               hidden_size=args.hidden_size, num_experts=args.num_experts, top_k=args.top_k, chat=args.chat)
     print(json.dumps({"out": os.path.abspath(args.out), "arch": args.arch, "seed": args.seed}))
     return 0
 

@@ -81,6 +81,7 @@ async def server_info(request: Request) -> dict:
             "max_batch_tokens": engine.max_batch_tokens, "weight_version": engine.weight_version,
             "version": "megatron-flash-cpu", "internal_states": [],
             "memory_released": sorted(engine._released), "memory_releases": engine.num_releases,
+            "num_live_requests": len(engine._live),
             **engine.memory_bytes()}
 
 

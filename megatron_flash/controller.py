@@ -222,6 +222,18 @@ class Controller:
                                       version_fn=version_fn, max_resumes=cfg.rollout.max_resumes)
 
             runner_factory = episodes
+        elif cfg.agentic.workflow:  # groups are episodes of an OpenAI-API agent on one data item each
+            from megatron_flash.agentic.workflow import WorkflowGroupRunner
+            from megatron_flash.rollout.runtime import sampling_params
+
+            dataset = PromptDataset.from_config(cfg.data, self.tokenizer, seed=cfg.trainer.seed)
+
+            def agent_episodes(proxy: Any, version_fn: Any) -> Any:
+                return WorkflowGroupRunner(agentic_cfg=cfg.agentic, proxy=proxy, tokenizer=self.tokenizer,
+                                           model_name="policy", sampling_params=sampling_params(cfg.rollout),
+                                           max_seq_len=cfg.trainer.max_seq_len, version_fn=version_fn)
+
+            runner_factory = agent_episodes
         else:
             dataset = PromptDataset.from_config(cfg.data, self.tokenizer, seed=cfg.trainer.seed)
         self.buffer = SampleBuffer(self.staleness, stale_policy=cfg.async_rl.stale_policy, on_evict=self._on_evict)

@@ -31,6 +31,7 @@ WEIGHT_TRANSPORTS = ("ipc", "broadcast", "disk")
 WANDB_MODES = ("offline", "online", "disabled")
 RECOMPUTE = ("none", "selective", "full")
 ROUTING_REPLAY = ("off", "rollout")
+TOOL_PARSER_NAMES = ("hermes",)  # = agentic/gateway/tool_parsers.py TOOL_PARSERS (a unit test keeps them equal)
 RECOMPUTE_METHODS = ("uniform", "block")
 MOE_DISPATCHERS = ("auto", "allgather", "alltoall")
 
@@ -564,10 +565,33 @@ class AgenticConfig(_Section):
     num_seeds: int = 0
     """0 = a new env seed for every group; N > 0 = cycle through seeds seed … seed + N − 1 (a fixed
     task set, e.g. to watch a tiny model learn a few maps)."""
+    workflow: str = ""
+    """An agent written against the OpenAI API, as "module:function": an async function
+    (base_url, api_key, task) → reward or (reward, info), run once per episode against the run's
+    agent gateway (megatron_flash/agentic/workflow.py). Tasks come from `data`; exclusive with `env`."""
+    workflow_timeout_s: float = 300.0
+    """An episode whose workflow runs longer fails (counted; the run continues)."""
+    gateway_port: int = 0
+    """Port of the run's agent gateway on 127.0.0.1 (0 = a free one)."""
+    gateway_tool_parser: str = "hermes"
+    """How the gateway reads tool calls out of the model's text (registry in agentic/gateway/tool_parsers.py)."""
+
+    ENV_ONLY: ClassVar[tuple] = ("env_params", "max_turns", "max_episode_tokens", "reset_timeout_s", "step_timeout_s",
+                "system_prompt", "latency", "seed", "num_seeds")
 
     def validate(self) -> None:
         for name in ("max_turns", "max_tokens_per_turn", "max_episode_tokens"):
             self._at_least(name, 1)
+        self._positive("workflow_timeout_s")
+        self._at_least("gateway_port", 0)
+        self._one_of("gateway_tool_parser", TOOL_PARSER_NAMES)
+        if self.workflow:
+            self._require(not self.env, "workflow", "and agentic.env are exclusive (an episode is one or the other)")
+            self._require(":" in self.workflow, "workflow", "must be 'module:function'")
+            defaults = type(self)()
+            for name in self.ENV_ONLY:
+                self._require(getattr(self, name) == getattr(defaults, name), name,
+                              "is used by agentic.env episodes only, and agentic.workflow is set")
         self._at_least("redundancy", 0)
         self._positive("reset_timeout_s")
         self._positive("step_timeout_s")
@@ -703,9 +727,9 @@ class RunConfig:
                 f"rollout.max_new_tokens must be < trainer.max_seq_len={trainer.max_seq_len} "
                 f"(the prompt needs room), got {rollout.max_new_tokens}"
             )
-        if trainer.moe_routing_replay != "off" and self.agentic.env:
+        if trainer.moe_routing_replay != "off" and (self.agentic.env or self.agentic.workflow):
             raise ValueError(
-                "trainer.moe_routing_replay=rollout is not built for agentic episodes (agentic.env is set): "
+                "trainer.moe_routing_replay=rollout is not built for agentic episodes (agentic.env or workflow is set): "
                 "a multi-turn sample's observation tokens were never routed by the engine"
             )
         if self.engines.colocate and self.async_rl.alpha != 0:

@@ -5,6 +5,8 @@
   sort4      "3142:"     "1234"          4 distinct digits; chance after format warm-up ≈ 1/24
   reverse4   "3142:"     "2413"          sturdier, ~2× slower to learn
   countdown  "e:"        "edcba"         letter k → k down to 'a' (1–20 long, long tail): lengths
+  add2       "12+47=?"   "59"            two 2-digit numbers; the calculator agent's questions (the
+                                         agent calls a tool, then answers "answer: 59")
 
 Each task gives a prompt/answer pair from a `random.Random`, a *format-only* answer for supervised
 warm-up (right shape and length, wrong content: it teaches the format, not the task), and the
@@ -57,10 +59,20 @@ def _countdown_format(rng: random.Random, prompt: str) -> str:
     return "".join(rng.choice(string.ascii_lowercase[:20]) for _ in range(k))
 
 
+def _add2(rng: random.Random) -> Pair:
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    return f"{a}+{b}=?", str(a + b)
+
+
+def _random_number(rng: random.Random, prompt: str) -> str:
+    return str(rng.randint(20, 198))
+
+
 TASKS: dict[str, SyntheticTask] = {
     "sort4": SyntheticTask("sort4", _sort4, _permutation_of_input),
     "reverse4": SyntheticTask("reverse4", _reverse4, _permutation_of_input),
     "countdown": SyntheticTask("countdown", _countdown, _countdown_format),
+    "add2": SyntheticTask("add2", _add2, _random_number),  # the calculator agent's questions ("12+47=?" -> "59")
 }
 
 

@@ -176,3 +176,26 @@ def test_a_failed_turn_leaves_the_session_unchanged() -> None:
     before = s.to_json()
     s.plan([user("q"), reply("x"), user("again")], render, tok)  # then the engine fails: no record()
     assert s.to_json() == before
+
+
+def test_config_knows_every_registered_tool_parser() -> None:
+    from megatron_flash.agentic.gateway.tool_parsers import TOOL_PARSERS
+    from megatron_flash.config.schema import TOOL_PARSER_NAMES
+
+    assert set(TOOL_PARSER_NAMES) == set(TOOL_PARSERS)
+
+
+def test_workflow_config_rules_name_the_field() -> None:
+    from megatron_flash.config import load_config
+
+    cfg = load_config(None, ["agentic.workflow=examples.agents.calculator:run"])
+    assert cfg.agentic.workflow == "examples.agents.calculator:run"
+    with pytest.raises(ValueError, match="agentic.workflow .*exclusive"):
+        load_config(None, ["agentic.workflow=a:b", "agentic.env=calculator", "agentic.max_episode_tokens=64",
+                           "trainer.max_seq_len=128"])
+    with pytest.raises(ValueError, match="agentic.max_turns is used by agentic.env episodes only"):
+        load_config(None, ["agentic.workflow=a:b", "agentic.max_turns=3"])
+    with pytest.raises(ValueError, match="agentic.gateway_tool_parser"):
+        load_config(None, ["agentic.gateway_tool_parser=xml"])
+    with pytest.raises(ValueError, match="agentic.workflow"):
+        load_config(None, ["agentic.workflow=no_colon"])

@@ -16,8 +16,8 @@
   hf           —                                                    yes
   rollout      buffer, config, counters, engines, named, rewards,   no
                types
-  agentic      config, counters, engines, named, rewards, rollout,  no
-               types
+  agentic      config, counters, engines, named, ports, rewards,    no
+               rollout, types
   trainer      config, hf, losses, ports, types                     yes
   weight_sync  engines, hf, ports, types                            no
   controller   every package above                                  no
@@ -42,7 +42,7 @@ ALLOWED: dict[str, set[str]] = {
     "tracking": {"config"}, "losses": {"types"}, "rewards": {"named", "types"}, "buffer": {"types"},
     "engines": {"ports", "types"}, "hf": set(),
     "rollout": {"buffer", "config", "counters", "engines", "named", "rewards", "types"},
-    "agentic": {"config", "counters", "engines", "named", "rewards", "rollout", "types"},
+    "agentic": {"config", "counters", "engines", "named", "ports", "rewards", "rollout", "types"},
     "trainer": {"config", "hf", "losses", "ports", "types"},
     "weight_sync": {"engines", "hf", "ports", "types"},
 }

@@ -68,14 +68,17 @@ def token_versions(result: Any) -> list[Optional[int]]:
 
 class GatewayCore:
     def __init__(self, *, backend: Any, tokenizer: Any, model_name: str, tool_parser: str = "hermes",
-                 default_max_tokens: int = 1024, max_resumes: int = 16, sessions: Optional[SessionStore] = None) -> None:
+                 default_max_tokens: int = 1024, max_resumes: int = 16, sessions: Optional[SessionStore] = None,
+                 any_model: bool = False) -> None:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(f"the tokenizer of {model_name!r} has no chat template: the gateway renders messages with it")
         self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
+        self.any_model = any_model  # serve every `model` name (in a run: agents keep their own names)
         self.parser = get_tool_parser(tool_parser)
         self.default_max_tokens, self.max_resumes = default_max_tokens, max_resumes
         self.sessions = sessions or SessionStore()
         self.stats = GatewayStats()
+        self.closed_sessions: Optional[set[str]] = None  # in a run: ended episodes, refused from then on
 
     def renderer(self, request: ChatRequest) -> Callable[[list[dict]], str]:
         def render(messages: list[dict]) -> str:
@@ -107,7 +110,8 @@ class GatewayCore:
         try:
             while True:
                 params = {**request.sampling, "max_new_tokens": budget - len(output)}
-                result = await self.backend.generate(prompt + output, params, rid=f"{base_rid}-r{resumes}")
+                session.current_rid = f"{base_rid}-r{resumes}"
+                result = await self.backend.generate(prompt + output, params, rid=session.current_rid)
                 output += list(result.output_ids)
                 logprobs += list(result.output_logprobs or [0.0] * len(result.output_ids))
                 versions += token_versions(result)
@@ -132,6 +136,7 @@ class GatewayCore:
                                err_type="server_error") from None
         parsed = self.parser.parse(self.tokenizer.decode(output, skip_special_tokens=True),
                                    tools_offered=bool(request.tools))
+        session.current_rid = None
         session.record(plan, output, logprobs, versions, finish, resumes,
                        reply=normalise(parsed.content, parsed.tool_calls))
         self.stats.retokenize_mismatches += plan.retokenized
@@ -140,7 +145,7 @@ class GatewayCore:
         self.stats.completion_tokens += len(output)
         if parsed.parse_error:
             self.stats.tool_parse_failures += 1
-            logger.info("session %s: tool-call markup left as text (%s)", session.session_id, parsed.parse_error)
+            logger.debug("session %s: tool-call markup left as text (%s)", session.session_id, parsed.parse_error)
         reason = "tool_calls" if parsed.tool_calls else ("length" if finish == "length" else "stop")
         return TurnResult(completion_id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), parsed=parsed,
                           finish_reason=reason, prompt_tokens=len(prompt), completion_tokens=len(output))

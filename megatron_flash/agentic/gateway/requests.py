@@ -125,13 +125,16 @@ def _tools(body: dict) -> Optional[list[dict]]:
     return tools
 
 
-def parse_chat_request(body: Any, *, served_model: str, default_max_tokens: int) -> ChatRequest:
+def parse_chat_request(body: Any, *, served_model: Optional[str], default_max_tokens: int) -> ChatRequest:
+    """`served_model` None: any `model` name is served (a run serves its policy under every name)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     unknown = sorted(set(body) - ACCEPTED)
     if unknown:
         raise RequestError(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
-    if body.get("model") != served_model:
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise RequestError("'model' is required", param="model")
+    if served_model is not None and body["model"] != served_model:
         raise RequestError(f"The model {body.get('model')!r} does not exist; this gateway serves {served_model!r}",
                            param="model", status=404, code="model_not_found")
     messages = body.get("messages")
@@ -181,6 +184,6 @@ def parse_chat_request(body: Any, *, served_model: str, default_max_tokens: int)
         raise RequestError("'stream' must be a boolean", param="stream")
     options = body.get("stream_options") or {}
     user = body.get("user")
-    return ChatRequest(model=served_model, messages=parsed, tools=tools, sampling=sampling, stream=stream,
+    return ChatRequest(model=body["model"], messages=parsed, tools=tools, sampling=sampling, stream=stream,
                        include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
                        user=user if isinstance(user, str) and user else None)

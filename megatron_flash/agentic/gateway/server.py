@@ -2,7 +2,9 @@
 `GET /v1/models`, and `GET /v1/trajectories/{session}` (the recorded tokens of a session).
 
 Sessions: the `X-Session-Id` header, else the body's `user` field, else a fresh id per request; the
-reply carries it back in `X-Session-Id`. With an API key every route but /health needs
+reply carries it back in `X-Session-Id`. The same routes under `/sessions/{session}/v1/...` name the
+session in the path instead: a run gives each agent episode such a base URL, so any client works
+unchanged. With an API key every route but /health needs
 `Authorization: Bearer KEY` (OpenAI's 401 otherwise).
 
 Streaming sends the turn as OpenAI chunks once the engine has finished it (role, reasoning, content,
@@ -86,6 +88,7 @@ def build_app(core: GatewayCore, *, api_key: Optional[str] = None) -> Any:
         return {"ok": True}
 
     @app.get("/v1/models")
+    @app.get("/sessions/{session_id}/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": core.model_name, "object": "model", "created": 0,
                                             "owned_by": "megatron-flash"}]}
@@ -99,25 +102,30 @@ def build_app(core: GatewayCore, *, api_key: Optional[str] = None) -> Any:
         return session.to_json()
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Any:
+    @app.post("/sessions/{path_session}/v1/chat/completions")
+    async def chat(request: Request, path_session: Optional[str] = None) -> Any:
         try:
             try:
                 body = await request.json()
             except (ValueError, UnicodeDecodeError):
                 raise RequestError("the request body is not valid JSON") from None
-            chat_request = parse_chat_request(body, served_model=core.model_name,
+            chat_request = parse_chat_request(body, served_model=None if core.any_model else core.model_name,
                                               default_max_tokens=core.default_max_tokens)
-            session_id = request.headers.get(SESSION_HEADER) or chat_request.user or f"s-{uuid.uuid4().hex}"
+            session_id = (path_session or request.headers.get(SESSION_HEADER) or chat_request.user
+                          or f"s-{uuid.uuid4().hex}")
+            if core.closed_sessions is not None and session_id in core.closed_sessions:
+                raise RequestError(f"session {session_id!r} has ended (its episode finished or was cancelled)",
+                                   param="session", status=409, code="session_closed")
             turn = await core.chat(chat_request, session_id)
         except RequestError as err:
             core.stats.request_errors += 1
             return error(err)
         headers = {SESSION_HEADER: session_id}
         if not chat_request.stream:
-            return JSONResponse(completion_body(turn, core.model_name), headers=headers)
+            return JSONResponse(completion_body(turn, chat_request.model), headers=headers)
 
         async def events() -> AsyncIterator[bytes]:
-            for chunk in stream_chunks(turn, core.model_name, chat_request.include_usage):
+            for chunk in stream_chunks(turn, chat_request.model, chat_request.include_usage):
                 yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)

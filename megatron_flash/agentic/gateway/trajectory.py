@@ -76,6 +76,7 @@ class Session:
         self.retokenize_mismatches = 0
         self.history_rewrites = 0
         self.lock = asyncio.Lock()  # one request of a session at a time
+        self.current_rid: Optional[str] = None  # the engine request in flight (aborted if the episode is cancelled)
         self.created = self.touched = time.time()
 
     def plan(self, messages: list[dict], render: Callable[[list[dict]], str], tokenizer: Any) -> "PromptPlan":

@@ -155,7 +155,7 @@ def test_streaming_gives_the_same_reply(stack) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
 
 
-@pytest.mark.parametrize("mode", ["abort", "in_place"])
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
 def test_a_weight_push_mid_turn_records_both_versions(stack, chat_models, mode: str) -> None:
     engine = stack["engine"].url
     for attempt in range(3):

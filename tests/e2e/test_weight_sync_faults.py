@@ -207,7 +207,7 @@ def _main() -> int:
     try:
         step()
         bridge = WeightBridge(policy, urls, transport=args.transport, bucket_mb=0.05, fail_fast=args.fail_fast,
-                              on_bucket=on_bucket, timeout_s=120)
+                              on_bucket=on_bucket, timeout_s=30)  # a broadcast cut mid-sync waits this long
         if args.scenario == "probe_kill":  # A dies after its sync, before the probe reaches it
             probe = bridge.probe
 

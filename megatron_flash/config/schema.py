@@ -576,6 +576,7 @@ class AgenticConfig(_Section):
     gateway_tool_parser: str = "hermes"
     """How the gateway reads tool calls out of the model's text (registry in agentic/gateway/tool_parsers.py)."""
 
+    WORKFLOW_ONLY: ClassVar[tuple] = ("workflow_timeout_s", "gateway_port", "gateway_tool_parser")
     ENV_ONLY: ClassVar[tuple] = ("env_params", "max_turns", "max_episode_tokens", "reset_timeout_s", "step_timeout_s",
                 "system_prompt", "latency", "seed", "num_seeds")
 
@@ -585,6 +586,11 @@ class AgenticConfig(_Section):
         self._positive("workflow_timeout_s")
         self._at_least("gateway_port", 0)
         self._one_of("gateway_tool_parser", TOOL_PARSER_NAMES)
+        if not self.workflow:
+            defaults = type(self)()
+            for name in self.WORKFLOW_ONLY:
+                self._require(getattr(self, name) == getattr(defaults, name), name,
+                              "is used with agentic.workflow only, which is not set")
         if self.workflow:
             self._require(not self.env, "workflow", "and agentic.env are exclusive (an episode is one or the other)")
             self._require(":" in self.workflow, "workflow", "must be 'module:function'")

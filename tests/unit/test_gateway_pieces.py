@@ -196,6 +196,8 @@ def test_workflow_config_rules_name_the_field() -> None:
     with pytest.raises(ValueError, match="agentic.max_turns is used by agentic.env episodes only"):
         load_config(None, ["agentic.workflow=a:b", "agentic.max_turns=3"])
     with pytest.raises(ValueError, match="agentic.gateway_tool_parser"):
-        load_config(None, ["agentic.gateway_tool_parser=xml"])
+        load_config(None, ["agentic.workflow=a:b", "agentic.gateway_tool_parser=xml"])
     with pytest.raises(ValueError, match="agentic.workflow"):
         load_config(None, ["agentic.workflow=no_colon"])
+    with pytest.raises(ValueError, match="agentic.workflow_timeout_s is used with agentic.workflow only"):
+        load_config(None, ["agentic.workflow_timeout_s=5"])

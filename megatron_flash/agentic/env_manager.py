@@ -33,7 +33,7 @@ import logging
 from typing import Any, Callable, Optional
 
 from megatron_flash.counters import Counters
-from megatron_flash.rollout.group_runner import GroupDropped
+from megatron_flash.rollout.group_runner import GroupDropped, first_successes
 from megatron_flash.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -159,15 +159,7 @@ class EnvGroupRunner:
         tasks = [asyncio.create_task(self._episode(prompt, group_id, i, version, current)) for i in range(total)]
         finished: list[Sample] = []
         try:
-            for next_done in asyncio.as_completed(tasks):
-                try:
-                    finished.append(await next_done)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # env failure / timeout: tolerated, counted in _episode
-                    logger.debug("group %d: an episode failed: %s", group_id, e)
-                if len(finished) == group_size:
-                    break
+            finished = await first_successes(tasks, group_size, what=f"group {group_id}")
         finally:
             pending = [t for t in tasks if not t.done()]
             for t in pending:

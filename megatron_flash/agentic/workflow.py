@@ -31,7 +31,7 @@ import uuid
 from typing import Any, Callable, Optional
 
 from megatron_flash.agentic.env_manager import AgenticStats
-from megatron_flash.rollout.group_runner import GroupDropped
+from megatron_flash.rollout.group_runner import GroupDropped, first_successes
 from megatron_flash.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -117,15 +117,7 @@ class WorkflowGroupRunner:
         tasks = [asyncio.ensure_future(self._episode(s, task, group_id, version)) for s in sessions]
         finished: list[Sample] = []
         try:
-            for next_done in asyncio.as_completed(tasks):
-                try:
-                    finished.append(await next_done)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as error:  # counted in _episode
-                    logger.debug("group %d: an episode failed: %s", group_id, error)
-                if len(finished) == group_size:
-                    break
+            finished = await first_successes(tasks, group_size, what=f"group {group_id}")
         finally:
             pending = [t for t in tasks if not t.done()]
             for t in pending:

@@ -137,12 +137,30 @@ class GenerateResult:
     def aborted(self) -> bool:
         return self.finish_reason == "abort"
 
+    def span_versions(self) -> Optional[List[Optional[int]]]:
+        """Per output token, the (integer) weight version of the span it falls in, when the engine's
+        spans cover every token; None otherwise (non-integer versions become None)."""
+        if not self.weight_version_spans:
+            return None
+        out: List[Optional[int]] = []
+        for span in self.weight_version_spans:
+            out += [version_number(span.version)] * (span.end - span.start)
+        return out if len(out) == len(self.output_ids) else None
+
     @property
     def min_weight_version(self) -> Optional[str]:
         """The oldest version any output token was sampled under (staleness is counted from it)."""
         if self.weight_version_spans:
             return self.weight_version_spans[0].version
         return self.weight_version
+
+
+def version_number(value: Any) -> Optional[int]:
+    """A weight version label as the policy version it names (runs label versions 0, 1, …), else None."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def parse_generate_reply(reply: Any, *, url: str, rid: str, input_len: int,

@@ -9,9 +9,31 @@ the current policy version; the controller builds it, so rollout/ never imports 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any, Callable, Protocol
 
 from megatron_flash.types import Sample
+
+
+logger = logging.getLogger(__name__)
+
+
+async def first_successes(tasks: list[Any], count: int, *, what: str) -> list[Any]:
+    """Results of the first `count` of `tasks` to succeed, in finishing order (fewer when not enough
+    succeed). A failed task is the task's own business (counted where it failed; logged here at
+    debug). Tasks still running are left to the caller, which cancels and cleans them up."""
+    done: list[Any] = []
+    for next_done in asyncio.as_completed(tasks):
+        try:
+            done.append(await next_done)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            logger.debug("%s: a task failed: %s", what, error)
+        if len(done) == count:
+            break
+    return done
 
 
 class GroupDropped(RuntimeError):

@@ -35,6 +35,7 @@ from megatron_flash.buffer.sample_buffer import SampleBuffer
 from megatron_flash.buffer.staleness import StalenessManager
 from megatron_flash.rollout.group_runner import GroupDropped, GroupRunner
 from megatron_flash.counters import Counters
+from megatron_flash.engines.client import version_number
 from megatron_flash.types import Group, Sample
 
 logger = logging.getLogger(__name__)
@@ -377,22 +378,11 @@ def _token_versions(result: Any, seg_version: int) -> list[Optional[int]]:
     """Per-token policy versions of one reply: the engine's spans when it reports them; a single
     version when the segment provably saw one (the engine's version equals the one at submission);
     None (unknown) for tokens of a segment that spanned a push without spans."""
+    spans = result.span_versions()
+    if spans is not None:
+        return spans
+    end = version_number(result.weight_version)
     n = len(result.output_ids)
-    spans = getattr(result, "weight_version_spans", None)
-    if spans:
-        out: list[Optional[int]] = []
-        for span in spans:
-            out += [_as_int(span.version)] * (span.end - span.start)
-        if len(out) == n:
-            return out
-    end = _as_int(getattr(result, "weight_version", None))
     if end is None or end == seg_version:
         return [seg_version] * n
     return [None] * n
-
-
-def _as_int(value: Any) -> Optional[int]:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None

@@ -19,6 +19,7 @@ from megatron_flash.agentic.gateway.requests import ChatRequest, RequestError
 from megatron_flash.agentic.gateway.tool_parsers import ParsedOutput, get_tool_parser
 from megatron_flash.agentic.gateway.trajectory import Session, SessionStore, normalise
 from megatron_flash.counters import Counters
+from megatron_flash.engines.client import version_number
 
 logger = logging.getLogger(__name__)
 
@@ -46,24 +47,10 @@ class TurnResult:
     completion_tokens: int
 
 
-def _as_int(value: Any) -> Optional[int]:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
 def token_versions(result: Any) -> list[Optional[int]]:
     """Per output token, the policy version that sampled it (the engine's spans, else its version)."""
-    n = len(result.output_ids)
-    spans = getattr(result, "weight_version_spans", None)
-    if spans:
-        out: list[Optional[int]] = []
-        for span in spans:
-            out += [_as_int(span.version)] * (span.end - span.start)
-        if len(out) == n:
-            return out
-    return [_as_int(getattr(result, "weight_version", None))] * n
+    spans = result.span_versions()
+    return spans if spans is not None else [version_number(result.weight_version)] * len(result.output_ids)
 
 
 class GatewayCore:

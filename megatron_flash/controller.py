@@ -267,6 +267,8 @@ class Controller:
             self.policy.export_hf(out)
             if self.rank == 0:
                 logger.error("%s; policy version %d saved to %s", error, self.version, out)
+        if self.bridge is not None:
+            self.bridge.close()
         if self.tracker is not None:
             self.tracker.close()
 

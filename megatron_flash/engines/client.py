@@ -560,6 +560,13 @@ class EngineClient:
                 "flush_cache": flush_cache, "weight_version": weight_version}
         return await self._update("/update_weights_from_tensor", body, timeout_s, needs_session=True)
 
+    async def update_weights_from_shared_memory(self, buffer: Dict[str, Any], tensors: Sequence[Dict[str, Any]], *,
+                                                timeout_s: Optional[float] = None) -> Dict[str, Any]:
+        """The bridge's staged ipc (not an SGLang endpoint: the local engine advertises it as
+        ``weight_update_shared_memory`` in /get_server_info); body in engines/shared_weights.py."""
+        body = {"buffer": buffer, "tensors": list(tensors), "flush_cache": False, "weight_version": None}
+        return await self._update("/update_weights_from_shared_memory", body, timeout_s, needs_session=True)
+
     async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str = "weight_update_group",
                                         backend: str = "nccl",
@@ -622,6 +629,13 @@ class EngineClient:
         reply = await self._call_idempotent("GET", "/model_info", timeout_s=timeout_s or self.control_timeout_s)
         if not isinstance(reply, dict):
             raise MalformedReply(self.url, "/model_info", "<body>",
+                                 f"reply is not a JSON object (got {_short(reply)})")
+        return reply
+
+    async def server_info(self, *, timeout_s: Optional[float] = None) -> Dict[str, Any]:
+        reply = await self._call_idempotent("GET", "/get_server_info", timeout_s=timeout_s or self.control_timeout_s)
+        if not isinstance(reply, dict):
+            raise MalformedReply(self.url, "/get_server_info", "<body>",
                                  f"reply is not a JSON object (got {_short(reply)})")
         return reply
 

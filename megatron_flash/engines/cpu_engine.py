@@ -40,6 +40,7 @@ import torch
 
 from megatron_flash.engines.cpu_engine_updates import EngineUpdates
 from megatron_flash.engines.routed_experts import RouteRecorder, encoded_routes
+from megatron_flash.engines.shared_weights import SharedBufferMaps
 from megatron_flash.engines.sampling import SamplingSpec, sample_rows
 
 logger = logging.getLogger(__name__)
@@ -209,6 +210,7 @@ class CpuEngine(EngineUpdates):
         self._update_lock: asyncio.Lock | None = None
         self._session_open = False
         self._groups: dict[str, Any] = {}
+        self._shared_buffers = SharedBufferMaps()  # the bridge's staged ipc buffers, mapped once
 
         self._released: set[str] = set()  # memory tags given back (release_memory_occupation)
         self.num_releases = 0

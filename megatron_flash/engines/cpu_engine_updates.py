@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_flash.engines import weight_payloads
+from megatron_flash.engines import shared_weights, weight_payloads
 from megatron_flash.engines.process_group import new_weight_update_group
 
 logger = logging.getLogger(__name__)
@@ -232,6 +232,16 @@ class EngineUpdates:
         self.model_path = model_path
         self.load_format = load_format or "auto"
         return "Succeeded to update model weights."
+
+    def load_from_shared_memory(self, body: dict) -> str:
+        """The bridge's staged ipc: pieces of tensors in a mapped shared buffer (engines/shared_weights.py)."""
+        if "weights" in self._released:
+            raise ValueError("the weights are released (release_memory_occupation): "
+                             "resume_memory_occupation(tags=['weights']) before updating them")
+        pieces = self._shared_buffers.pieces(body)
+        params = self.model.state_dict(keep_vars=True)
+        shared_weights.copy_pieces(pieces, lambda name: checkpoint_param(params, name))
+        return "Success"
 
     def load_from_tensor_payload(self, payload: bytes, load_format: str | None) -> str:
         self.load_named_tensors(weight_payloads.read_tensor_payload(payload, load_format))

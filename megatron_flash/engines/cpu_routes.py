@@ -82,6 +82,7 @@ async def server_info(request: Request) -> dict:
             "version": "megatron-flash-cpu", "internal_states": [],
             "memory_released": sorted(engine._released), "memory_releases": engine.num_releases,
             "num_live_requests": len(engine._live),
+            "weight_update_shared_memory": True,  # /update_weights_from_shared_memory (staged ipc)
             **engine.memory_bytes()}
 
 
@@ -212,6 +213,17 @@ async def update_weights_from_tensor(request: Request) -> Any:
         return outcome(False, str(error))
     load_format = body.get("load_format")
     return outcome(*await weight_update(engine, body, lambda: engine.load_from_tensor_payload(payloads[0], load_format)))
+
+
+@router.post("/update_weights_from_shared_memory")
+async def update_weights_from_shared_memory(request: Request) -> Any:
+    """Not in SGLang: the bridge's staged ipc (engines/shared_weights.py); advertised in /get_server_info."""
+    engine, body = engine_of(request), await body_of(request, "buffer", "tensors")
+    try:
+        engine.require_session("update_weights_from_shared_memory")
+    except ValueError as error:
+        return outcome(False, str(error))
+    return outcome(*await weight_update(engine, body, lambda: engine.load_from_shared_memory(body)))
 
 
 @router.post("/init_weights_update_group")

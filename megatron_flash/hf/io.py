@@ -223,7 +223,9 @@ def export_hf(model: Any, out_dir: str, *, spec: HFModelSpec, layout: "Layout",
         os.makedirs(partial)
     dist.barrier()
 
-    tensors = {k: v.to(dtype or v.dtype).cpu().contiguous() for k, v in stage_hf_tensors(model, spec=spec, layout=layout)}
+    # copy=True: at TP1 the HF tensors may be views of the parameters (and of each other: gate/up)
+    tensors = {k: v.to(device="cpu", dtype=dtype or v.dtype, copy=True).contiguous()
+               for k, v in stage_hf_tensors(model, spec=spec, layout=layout)}
     # One file per (PP stage, EP rank): the stage's dense tensors go with EP rank 0's experts.
     files = layout.pp_size * layout.ep_size
     file_name = f"model-{layout.pp_rank * layout.ep_size + layout.ep_rank + 1:05d}-of-{files:05d}.safetensors"

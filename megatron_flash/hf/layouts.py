@@ -99,22 +99,27 @@ def shards_to_hf(
     *,
     spec: HFModelSpec,
 ) -> dict[str, torch.Tensor]:
-    """Inverse of `hf_to_shard` given every TP rank's shard, in rank order."""
+    """Inverse of `hf_to_shard` given every TP rank's shard, in rank order. With one shard (TP1) the
+    results may be views of it (no copy where none is needed): a caller that keeps them copies."""
+
+    def cat(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+        return parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=dim)
+
     layout = rule.layout
     if layout == "replicated":
         return {names[0]: shards[0]}
     if layout == "column":
-        return {names[0]: torch.cat(list(shards), dim=0)}
+        return {names[0]: cat(shards)}
     if layout == "row":
-        return {names[0]: torch.cat(list(shards), dim=1)}
+        return {names[0]: cat(shards, dim=1)}
     if layout == "vocab":
-        return {names[0]: torch.cat(list(shards), dim=0)[: spec.vocab_size]}
+        return {names[0]: cat(shards)[: spec.vocab_size]}
     if layout == "gate_up":
         halves = [s.chunk(2, dim=0) for s in shards]
-        return {names[0]: torch.cat([h[0] for h in halves]), names[1]: torch.cat([h[1] for h in halves])}
+        return {names[0]: cat([h[0] for h in halves]), names[1]: cat([h[1] for h in halves])}
     if layout == "qkv":
         d, hpg = spec.head_dim, spec.heads_per_group
-        full = torch.cat(list(shards), dim=0)
+        full = cat(shards)
         rest = tuple(full.shape[1:])
         grouped = full.reshape((spec.num_query_groups, (hpg + 2) * d) + rest)
         q, k, v = grouped.split([hpg * d, d, d], dim=1)

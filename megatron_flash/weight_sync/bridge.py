@@ -28,6 +28,7 @@ from megatron_flash.weight_sync import probe as probe_lib
 from megatron_flash.weight_sync.calls import EngineCalls, from_rank0
 from megatron_flash.weight_sync.colocate import MemoryHandoff
 from megatron_flash.weight_sync.execute import Executor
+from megatron_flash.weight_sync.plan import sender_bytes_bound
 from megatron_flash.weight_sync.report import SyncReport, WeightSyncError
 from megatron_flash.weight_sync.transports import TRANSPORTS, TransportContext, make_transport
 
@@ -62,11 +63,13 @@ class WeightBridge:
         """Engines taken out of service by earlier syncs: url → why."""
         self.rank0 = policy.layout.rank == 0
         self.calls = EngineCalls(api_key=api_key, timeout_s=timeout_s, alive_timeout_s=alive_timeout_s)
+        bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.transport = make_transport(transport, TransportContext(
             calls=self.calls, layout=policy.layout, engine_tp_size=engine_tp_size, master_address=master_address,
-            disk_dir=disk_dir, export_hf=policy.export_hf, in_service=lambda: self.urls))
+            disk_dir=disk_dir, export_hf=policy.export_hf, in_service=lambda: self.urls, bucket_bytes=bucket_bytes,
+            sender_bytes_bound=sender_bytes_bound(policy)))
         self.memory = MemoryHandoff(self.calls) if colocate else None
-        self.executor = Executor(policy, self.transport, self.calls, bucket_bytes=max(1, int(bucket_mb * 2**20)),
+        self.executor = Executor(policy, self.transport, self.calls, bucket_bytes=bucket_bytes,
                                  pause_mode=pause_mode, memory=self.memory, on_bucket=on_bucket)
 
     @classmethod
@@ -101,6 +104,16 @@ class WeightBridge:
             self.failed.pop(url, None)
             if url not in self.urls:
                 self.urls.append(url)
+
+    def close(self) -> None:
+        """Free what the transport holds (ipc buffers, a broadcast group). The bridge is not used after."""
+        self.transport.close()
+
+    def __enter__(self) -> "WeightBridge":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def sync(self, version: int) -> SyncReport:
         """Push the current weights as `version` to every engine in service. Collective: all ranks."""

@@ -131,7 +131,8 @@ class Executor:
         for stage in range(layout.pp_size):
             if stage == layout.pp_rank:
                 buckets = hf_buckets(self.policy, bucket_bytes=self.bucket_bytes,
-                                     gather_experts=self.transport.one_sender_per_stage)
+                                     gather_experts=self.transport.one_sender_per_stage,
+                                     copy=not self.transport.copies_buckets)
                 for index, bucket in enumerate(buckets):
                     live = [u for u in active if u not in errors]
                     step = f"PP stage {stage} bucket {index}"
@@ -140,12 +141,23 @@ class Executor:
                             errors.update(self.transport.send(bucket, live, step))
                         sent += bucket_nbytes(bucket)
                         count += 1
-                        if self.on_bucket is not None:
+                        if self.on_bucket is not None:  # "went out" = the engines have it
+                            self._merge(errors, self.transport.drain())
                             self.on_bucket(index)
                     except Exception as error:  # a trainer-side failure: every engine may be partial
                         errors.update({u: f"{step}: trainer rank {layout.rank}: {type(error).__name__}: {error}"
                                        for u in live if u not in errors})
                     del bucket  # keeps peak memory at one bucket (ipc: the engines answered, files can go)
+                try:
+                    self._merge(errors, self.transport.drain())  # what is still in flight
+                except Exception as error:
+                    errors.update({u: f"PP stage {stage} (last buckets): trainer rank {layout.rank}: "
+                                      f"{type(error).__name__}: {error}" for u in active if u not in errors})
             if serial:
                 dist.barrier()
         return errors, sent, count
+
+    @staticmethod
+    def _merge(errors: Errors, more: Errors) -> None:
+        for url, message in more.items():
+            errors.setdefault(url, message)

@@ -24,19 +24,21 @@ def bucket_nbytes(bucket: Bucket) -> int:
     return sum(t.numel() * t.element_size() for _, t in bucket)
 
 
-def hf_buckets(policy: Any, *, bucket_bytes: int, gather_experts: bool = False) -> Iterator[Bucket]:
+def hf_buckets(policy: Any, *, bucket_bytes: int, gather_experts: bool = False, copy: bool = True) -> Iterator[Bucket]:
     """This rank's share of its PP stage's HF tensors in buckets (empty unless it is a sender; every
     rank of the stage must exhaust the iterator because it drives the all-gathers).
 
-    Every tensor is copied into its own fresh storage. Without the copy a replicated parameter (a
-    norm weight) or a view (q/k/v of one fused tensor) would be sent as the trainer's own storage:
-    ipc moves that storage into a shared-memory file for good, and when an engine that opened the
-    file dies, torch's shm manager unlinks the name, so every later send of it fails on every engine."""
+    `copy`: every tensor in its own fresh contiguous host storage (a broadcast needs contiguous tensors,
+    and nothing sent may alias the trainer's parameters). Without it a tensor may be a view of a
+    parameter (a replicated norm weight, q/k/v of one fused tensor): for transports that copy
+    what they keep (`copies_buckets`), which saves one copy of the whole state per sync."""
     bucket: Bucket = []
     size = 0
     for name, tensor in stage_hf_tensors(policy.model, spec=policy.spec, layout=policy.layout,
                                          gather_experts=gather_experts):
-        tensor = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor.detach())
+        tensor = tensor.detach()
+        if copy:
+            tensor = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)  # host memory, as engines take it
         bucket.append((name, tensor))
         size += tensor.numel() * tensor.element_size()
         if size >= bucket_bytes:
@@ -44,3 +46,13 @@ def hf_buckets(policy: Any, *, bucket_bytes: int, gather_experts: bool = False) 
             bucket, size = [], 0
     if bucket:
         yield bucket
+
+
+def sender_bytes_bound(policy: Any) -> int:
+    """At least the bytes this rank sends in a sync: its parameters × TP (dense ones are gathered
+    over TP) × EP (experts gathered to one sender, where a transport wants that)."""
+    from megatron_flash.hf.io import _chunk_params
+
+    local = sum(p.numel() * p.element_size() for _, _, p in _chunk_params(policy.model))
+    layout = policy.layout
+    return max(1, local * layout.tp_size * max(1, getattr(layout, "ep_size", 1)))

@@ -129,6 +129,7 @@ def test_launcher_restarts_a_killed_engine_and_the_run_resyncs_it(tiny_models, t
             "engines.num_engines=2", f"engines.base_port={port}", "engines.max_restarts=1",
             "logging.wandb_mode=disabled", "logging.tensorboard=false", "async_rl.alpha=1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    shm_before = set(os.listdir("/dev/shm"))
     proc = subprocess.Popen([sys.executable] + args, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     watch = RunWatch(run_dir)
@@ -152,6 +153,7 @@ def test_launcher_restarts_a_killed_engine_and_the_run_resyncs_it(tiny_models, t
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-4000:]
+    assert set(os.listdir("/dev/shm")) == shm_before  # staged ipc buffers are memfds: nothing named, nothing left
     assert survivor != victim  # a new process serves engine 0
     table = watch.rows()
     first = assert_restarted_once_and_resynced(table, killed_after, fleet_versions)

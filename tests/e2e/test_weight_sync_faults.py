@@ -50,8 +50,10 @@ def test_weight_sync_fault(tiny_models, seed1_model, tmp_path, scenario: str, tr
             "--model-path", tiny_models["llama"], "--other-model", seed1_model, "--scenario", scenario,
             "--transport", transport, "--tp", str(tp), "--run-dir", str(tmp_path)]
     args += ["--fail-fast"] if fail_fast else []
+    shm_before = set(os.listdir("/dev/shm"))
     proc = run_tool(args, nproc=tp, timeout=400)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(os.listdir("/dev/shm")) == shm_before  # no segment left behind
     a, b = out["urls"]
     first = out["first"]
     if scenario == "kill":
@@ -66,6 +68,8 @@ def test_weight_sync_fault(tiny_models, seed1_model, tmp_path, scenario: str, tr
         assert second["raised"] is False and second["synced_urls"] == [b] and second["failed_urls"] == []
         assert out["b_after_second"] == {"version": "2", "ok": True}, out
         assert second["probe_max"] <= 1e-4
+        if transport == "ipc":  # one set of two buffers (fd + the mmap's duplicate each): the old set freed
+            assert out["memfds"] == 4, out
     elif scenario == "probe_kill":
         assert first["raised"] is False, first
         assert first["failed_urls"] == [a] and first["synced_urls"] == [b], first
@@ -179,6 +183,15 @@ def _main() -> int:
             time.sleep(0.05)
         raise RuntimeError(f"{url} still accepts connections after SIGKILL")
 
+    def memfds() -> int:
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                pass
+        return sum(t.startswith("/memfd:mf-weights") for t in links)
+
     faulted: list = []
 
     def on_bucket(index: int) -> None:
@@ -227,6 +240,7 @@ def _main() -> int:
             step()  # the trainer carries on: new weights, to the survivor only
             out["second"] = run_sync(2)
             out["b_after_second"] = serves(b)
+            out["memfds"] = memfds()  # ipc: the buffer set made for the new engine set, the old one freed
     except BaseException:
         code = 1
         raise

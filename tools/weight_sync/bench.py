@@ -12,15 +12,17 @@ receiver process holds its own preallocated tensors of the same names, as an eng
 = every tensor copied from the sender's state into the receiver's tensors, buckets of --bucket-mb;
 it is timed from the first byte handled to the receiver's last acknowledgement.
 
-  ipc  --ipc-mode fresh   the ipc transport's mechanics: each bucket's tensors go through ForkingPickler
-                          (file_system strategy), which moves every storage into a *new* shared-
-                          memory segment; the receiver unpickles (the CPU engine's allowlist
-                          unpickler), maps each segment and copies into its tensors.
-       --ipc-mode staged  --num-buffers persistent shared-memory buffers of --bucket-mb, written
-                          once at setup so their pages exist; the sender copies tensor bytes into a
-                          free buffer (large tensors in pieces) and hands the buffer over
-                          (ForkingPickler, a handle only) while it fills the next one; the receiver
-                          copies out and acknowledges. Maps a buffer once if it keeps a reference.
+  ipc  --ipc-mode fresh   the pickled path of the ipc transport (what SGLang engines get): each
+                          bucket's tensors go through ForkingPickler (file_system strategy), which
+                          moves every storage into a *new* shared-memory segment; the receiver
+                          unpickles (the CPU engine's allowlist unpickler), maps each segment and
+                          copies into its tensors.
+       --ipc-mode staged  the staged path (what the local engine gets): the transport's own
+                          SharedBuffers + Stager (weight_sync/transports/shared_buffers.py):
+                          --num-buffers persistent memfd buffers of min(--bucket-mb, state), pages
+                          touched at setup; the sender copies tensor bytes into the free buffer (large
+                          tensors in pieces) and hands it over while it fills the next one; the
+                          receiver maps each buffer once (engines/shared_weights.py) and copies out.
   broadcast               a 2-rank gloo group (process_group.new_weight_update_group, as the
                           bridge); names are announced, then one broadcast per tensor straight into
                           the receiver's tensors.
@@ -37,8 +39,8 @@ checksum of what it received; `verified` says it equals the sender's.
 --engine: a Megatron policy (one process) built from --model-path, or from a Llama of ≈ --size-mb
 written with tools/make_tiny_model.py, synced to a real CPU engine server with WeightBridge; the
 time is SyncReport.seconds (pause, buckets, flush, resume, version check) less the bridge's
-post-sync logprob probe, reported apart. `--ipc-mode staged` there runs a prototype subclass of
-WeightBridge (one persistent shared buffer, see docs/weight_sync.md).
+post-sync logprob probe, reported apart. `--ipc-mode staged` is the bridge as shipped (the local
+engine takes staged buffers); `--ipc-mode fresh` makes its ipc transport use the pickled path.
 --mode stream-memory: peak extra memory while iterating `hf_buckets` of such a policy, against one
 bucket plus one decoder layer (and bucket + 2 × the largest parameter: a bucket closes only once it
 reaches --bucket-mb, so it can overshoot by one parameter).
@@ -50,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import collections
 import hashlib
 import io
 import json
@@ -164,28 +165,6 @@ def bucket_plan(state: dict[str, Any], bucket_bytes: int) -> list[list[str]]:
     return plan + ([current] if current else [])
 
 
-def staged_plan(state: dict[str, Any], buffer_bytes: int) -> list[list[tuple[str, int]]]:
-    """Whole tensors packed into buffers of buffer_bytes: lists of (name, byte offset in the buffer).
-    Offsets are 64-byte aligned so every view is aligned for its dtype."""
-    plan: list[list[tuple[str, int]]] = []
-    current: list[tuple[str, int]] = []
-    used = 0
-    for name, t in state.items():
-        n = t.numel() * t.element_size()
-        if current and used + n > buffer_bytes:
-            plan.append(current)
-            current, used = [], 0
-        current.append((name, used))
-        used += -(-n // 64) * 64
-    return plan + ([current] if current else [])
-
-
-def staged_buffer_bytes(state: dict[str, Any], bucket_bytes: int) -> int:
-    """A bucket, but at least the largest tensor (engines take whole tensors) and at most the state."""
-    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in state.values()]
-    return max(min(bucket_bytes, sum(sizes)), max(sizes))
-
-
 class Memcpy:
     """This machine's copy bandwidth for `nbytes` (`dst.copy_(src)`, one thread, pages already
     present), sampled right before every sync so both see the same load on a shared box: the
@@ -221,12 +200,13 @@ def receiver_main(conn: Any, shapes: list[tuple[str, tuple[int, ...], str]], tra
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
+    from megatron_flash.engines.shared_weights import SharedBufferMaps, copy_pieces
     from megatron_flash.engines.weight_payloads import safe_deserialize
 
     torch.set_num_threads(1)
     mp.set_sharing_strategy("file_system")
     tensors = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, s, d in shapes}  # zeros: pages exist
-    group, kept, probe = None, {}, None
+    group, maps, probe = None, SharedBufferMaps(), None
     if transport == "broadcast":
         from megatron_flash.engines.process_group import new_weight_update_group
 
@@ -241,15 +221,10 @@ def receiver_main(conn: Any, shapes: list[tuple[str, tuple[int, ...], str]], tra
             for name, t in safe_deserialize(body[0]):
                 tensors[name].copy_(t)
             conn.send(("ack",))
-        elif kind == "staged":  # same payload format as fresh: (name, tensor) views of one shared buffer
-            index, payload = body
-            named = safe_deserialize(payload)
-            for name, t in named:
-                tensors[name].copy_(t)
-            if options.get("keep_mapping"):
-                kept[index] = named  # while referenced, torch's shared cache maps the buffer only once
-            del named
-            conn.send(("ack", index))
+        elif kind == "staged":  # the local engine's receiving side: buffers mapped once, pieces copied out
+            spec, entries = body
+            copy_pieces(maps.pieces({"buffer": spec, "tensors": entries}), tensors.get)
+            conn.send(("ack",))
         elif kind == "broadcast":
             handles = [dist.broadcast(tensors[n], src=0, group=group, async_op=True) for n in body[0]]
             for handle in handles:
@@ -276,23 +251,22 @@ class Sender:
         self.args, self.conn = args, conn
         self.bucket_bytes = max(1, int(args.bucket_mb * MB))
         self.group: Any = None
-        self.buffers: list[Any] = []
+        self.buffers: Any = None
+        self.stager: Any = None
         self.disk_dir = ""
 
     def setup(self, state: dict[str, Any], port: int) -> None:
-        import torch
-
         if self.args.transport == "broadcast":
             from megatron_flash.engines.process_group import new_weight_update_group
 
             self.group = new_weight_update_group(master_address="127.0.0.1", master_port=port, rank=0,
                                                  world_size=2, group_name="mf_bench")
         elif self.args.transport == "ipc" and self.args.ipc_mode == "staged":
-            size = staged_buffer_bytes(state, self.bucket_bytes)
-            # share_memory_() then fill_: the pages exist before the first sync (a fresh segment
-            # faults every page on first touch, ~1.4 GB/s here, which is what `fresh` pays each bucket).
-            self.buffers = [torch.empty(size, dtype=torch.uint8).share_memory_().fill_(0)
-                            for _ in range(self.args.num_buffers)]
+            from megatron_flash.weight_sync.transports.shared_buffers import SharedBuffers, Stager
+
+            size = min(self.bucket_bytes, sum(t.numel() * t.element_size() for t in state.values()))
+            self.buffers = SharedBuffers(size, self.args.num_buffers)
+            self.stager = Stager(self._deliver, self.buffers)
         elif self.args.transport == "disk":
             self.disk_dir = tempfile.mkdtemp(prefix="mf_bench_", dir=self.args.disk_dir or None)
 
@@ -333,29 +307,17 @@ class Sender:
             self._wait_ack()  # bridge: one blocking request per bucket
         return None
 
-    def _sync_staged(self, state: dict[str, Any]) -> None:
-        from multiprocessing.reduction import ForkingPickler
+    def _deliver(self, spec: dict, entries: list, urls: list, label: str) -> dict:
+        self.conn.send(("staged", spec, entries))  # the bridge: one HTTP request per buffer
+        self._wait_ack()
+        return {}
 
-        free = collections.deque(range(len(self.buffers)))
-        in_flight = 0
-        for entries in staged_plan(state, self.buffers[0].numel()):
-            if not free:  # every buffer is with the receiver: wait for the oldest
-                free.append(self._wait_ack()[1])
-                in_flight -= 1
-            index = free.popleft()
-            buf, named = self.buffers[index], []
-            for name, offset in entries:
-                t = state.pop(name)
-                n = t.numel() * t.element_size()
-                view = buf[offset:offset + n].view(t.dtype).view(t.shape)
-                view.copy_(t)
-                named.append((name, view))
-            payload = io.BytesIO()
-            ForkingPickler(payload).dump(named)  # views of an already shared storage: a handle, no copy
-            self.conn.send(("staged", index, base64.b64encode(payload.getvalue()).decode()))
-            in_flight += 1
-        for _ in range(in_flight):
-            self._wait_ack()
+    def _sync_staged(self, state: dict[str, Any]) -> None:
+        for names in bucket_plan(state, self.bucket_bytes):
+            errors = self.stager.add([(n, state.pop(n)) for n in names], ["receiver"], "bucket")
+            assert not errors, errors
+        errors = self.stager.drain()
+        assert not errors, errors
 
     def cleanup_after_sync(self) -> None:
         if self.disk_dir:
@@ -363,6 +325,8 @@ class Sender:
                 os.remove(os.path.join(self.disk_dir, name))
 
     def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
         if self.disk_dir:
             shutil.rmtree(self.disk_dir, ignore_errors=True)
         if self.group is not None:
@@ -399,7 +363,7 @@ def run_transport(args: argparse.Namespace) -> dict[str, Any]:
     port = free_ports(1)
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    options = {"port": port, "keep_mapping": args.keep_mapping}
+    options = {"port": port}
     receiver = ctx.Process(target=receiver_main, args=(child, shapes, args.transport, options), daemon=True)
     receiver.start()
     sender = Sender(args, parent)
@@ -435,9 +399,8 @@ def run_transport(args: argparse.Namespace) -> dict[str, Any]:
     gbps = nbytes / median / 1e9
     return {"mode": "transport", "transport": args.transport,
             "ipc_mode": args.ipc_mode if args.transport == "ipc" else None,
-            "num_buffers": len(sender.buffers) or None,
-            "buffer_mb": round(sender.buffers[0].numel() / MB, 2) if sender.buffers else None,
-            "keep_mapping": bool(args.keep_mapping) if sender.buffers else None,
+            "num_buffers": args.num_buffers if sender.buffers else None,
+            "buffer_mb": round(sender.buffers.nbytes / MB, 2) if sender.buffers else None,
             "size_mb": round(nbytes / MB, 2), "num_tensors": len(state), "bucket_mb": args.bucket_mb,
             "repeats": args.repeats, "seconds": round(median, 4), "seconds_all": [round(s, 4) for s in seconds],
             "setup_seconds": round(setup_s, 3), "gbps": round(gbps, 3), "gbps_best": round(nbytes / min(seconds) / 1e9, 3),
@@ -477,38 +440,6 @@ def model_bytes(policy: Any) -> int:
     return sum(t.numel() * t.element_size() for b in hf_buckets(policy, bucket_bytes=1 << 62) for _, t in b)
 
 
-def staged_ipc_transport(bridge: Any) -> Any:
-    """An ipc transport whose buckets are views of one persistent shared-memory buffer: a prototype
-    of the change proposed for the ipc transport (docs/weight_sync.md), same payload for the engine."""
-    import torch
-
-    from megatron_flash.weight_sync.transports.ipc import IpcTransport
-
-    class StagedIpc(IpcTransport):
-        _staging: Any = None
-
-        def send(self, bucket: list, *args: Any, **kwargs: Any) -> Any:
-            sizes = [-(-t.numel() * t.element_size() // 64) * 64 for _, t in bucket]
-            if self._staging is None or self._staging.numel() < sum(sizes):
-                self._staging = torch.empty(sum(sizes), dtype=torch.uint8).share_memory_().fill_(0)
-            views, offset = [], 0
-            for (name, t), n in zip(bucket, sizes):
-                view = self._staging[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                views.append((name, view.copy_(t)))
-                offset += n
-            try:
-                errors = super().send(views, *args, **kwargs)
-            except BaseException:
-                errors = {"trainer": "raised"}
-                raise
-            finally:
-                if errors:  # an engine that died may take the segment's name with it: next time, a new one
-                    self._staging = None
-            return errors
-
-    return StagedIpc(bridge.transport.ctx)
-
-
 def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     from megatron_flash.engines.launcher import EngineLauncher
     from megatron_flash.ports import free_ports
@@ -516,7 +447,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     from megatron_flash.weight_sync.bridge import WeightBridge
 
     tmp = tempfile.mkdtemp(prefix="mf_bench_engine_", dir=args.disk_dir or None)
-    launcher, memcpy = None, None
+    launcher, memcpy, bridge = None, None, None
     try:
         model = model_for(args, tmp)
         policy = build_policy(model)
@@ -529,8 +460,8 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         staged = args.transport == "ipc" and args.ipc_mode == "staged"
         bridge = WeightBridge(policy, launcher.urls, transport=args.transport, bucket_mb=args.bucket_mb,
                               disk_dir=os.path.join(tmp, "weights"))
-        if staged:
-            bridge.transport = bridge.executor.transport = staged_ipc_transport(bridge)
+        if args.transport == "ipc" and not staged:  # the pickled path, as SGLang engines get it
+            bridge.transport._staged.update({u: False for u in launcher.urls})
         seconds, peaks, engine_peaks, buckets, probe_s, probe_diff = [], [], [], 0, [], None
         for rep in range(args.repeats):
             memcpy.sample()
@@ -544,6 +475,8 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
             engine_peaks.append(engine_probe.extra_mb())
             buckets = report.num_buckets
     finally:
+        if bridge is not None:
+            bridge.close()
         if launcher is not None:
             launcher.__exit__(None, None, None)
         if memcpy is not None:
@@ -553,7 +486,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     median, memcpy_gbps = statistics.median(seconds), memcpy.gbps()
     gbps = nbytes / median / 1e9
     return {"mode": "engine", "transport": args.transport,
-            "ipc_mode": ("staged (prototype subclass)" if staged else "fresh (transports/ipc.py)") if args.transport == "ipc" else None,
+            "ipc_mode": ("staged" if staged else "fresh (pickled)") if args.transport == "ipc" else None,
             "size_mb": round(nbytes / MB, 2), "bucket_mb": args.bucket_mb,
             "num_buckets": buckets, "repeats": args.repeats, "seconds": round(median, 4),
             "seconds_all": [round(s, 4) for s in seconds], "gbps": round(gbps, 3), "memcpy_gbps": round(memcpy_gbps, 3),
@@ -609,10 +542,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--engine", action="store_true", help="WeightBridge → a real CPU engine server")
     p.add_argument("--transport", default="ipc", choices=["ipc", "broadcast", "disk"])
     p.add_argument("--ipc-mode", default="staged", choices=["staged", "fresh"],
-                   help="staged: persistent shared-memory buffers; fresh: bridge.py today")
+                   help="staged: persistent shared buffers (local engine); fresh: pickled (SGLang engines)")
     p.add_argument("--num-buffers", type=int, default=2, help="staged buffers (2: fill one while the other is read)")
-    p.add_argument("--keep-mapping", type=int, default=1, choices=[0, 1],
-                   help="staged: the receiver keeps its buffer handles (1) or drops them after each bucket (0)")
     p.add_argument("--size-mb", type=float, default=64.0, help="state size (ignored with --model-path)")
     p.add_argument("--model-path", default="", help="HF model directory: its tensors are the state")
     p.add_argument("--bucket-mb", type=float, default=64.0)

@@ -31,6 +31,9 @@ class TransportContext:
     """Collective HF export of the trainer's weights into a directory (disk)."""
     in_service: Callable[[], Sequence[str]]
     """The engines the bridge serves now (teardown messages go only to those)."""
+    bucket_bytes: int = 512 * 2**20
+    sender_bytes_bound: int = 2**62
+    """At least what this rank ever sends in one sync (staging buffers need not be larger)."""
 
 
 class Transport(Protocol):
@@ -41,10 +44,19 @@ class Transport(Protocol):
     one_sender_per_stage: ClassVar[bool]
     """MoE under expert parallelism: the experts are gathered to the stage's sender instead of
     leaving from every EP rank (a transport whose group has one source)."""
+    copies_buckets: ClassVar[bool]
+    """The transport copies what it keeps, so buckets may hold views of the trainer's parameters."""
 
     def prepare(self, version: int) -> None: ...
 
     def send(self, bucket: Bucket, urls: list[str], step: str) -> Errors: ...
+
+    def drain(self) -> Errors:
+        """After a stage's buckets (and whenever a test hook wants them delivered): wait until every
+        engine answered what `send` left in flight; the errors not returned yet."""
+
+    def close(self) -> None:
+        """The bridge shuts down: free what the transport holds (buffers, groups)."""
 
     def load(self, version: int, urls: list[str]) -> Errors: ...
 
@@ -57,6 +69,7 @@ class StreamingTransport:
     streams_buckets: ClassVar[bool] = True
     serial_stages: ClassVar[bool] = False
     one_sender_per_stage: ClassVar[bool] = False
+    copies_buckets: ClassVar[bool] = False
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
@@ -68,4 +81,10 @@ class StreamingTransport:
         raise NotImplementedError(f"transport {self.name!r} streams buckets; it has no whole-state load")
 
     def forget(self, urls: Sequence[str]) -> None:
+        pass
+
+    def drain(self) -> Errors:
+        return {}
+
+    def close(self) -> None:
         pass

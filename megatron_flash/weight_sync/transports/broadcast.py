@@ -65,6 +65,9 @@ class BroadcastTransport(StreamingTransport):
         self._group = (members, name, group)
         return name, group
 
+    def close(self) -> None:
+        self._drop_group()
+
     def _drop_group(self) -> None:
         """Tear down this stage's group on our side and (best effort) on engines still in service."""
         if self._group is None:

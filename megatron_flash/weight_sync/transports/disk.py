@@ -15,6 +15,7 @@ class DiskTransport:
     streams_buckets: ClassVar[bool] = False
     serial_stages: ClassVar[bool] = False
     one_sender_per_stage: ClassVar[bool] = False
+    copies_buckets: ClassVar[bool] = False
 
     def __init__(self, ctx: TransportContext) -> None:
         if not ctx.disk_dir:
@@ -32,4 +33,10 @@ class DiskTransport:
             self.ctx.disk_dir, weight_version=str(version), flush_cache=False))[1]
 
     def forget(self, urls: Sequence[str]) -> None:
+        pass
+
+    def drain(self) -> Errors:
+        return {}
+
+    def close(self) -> None:
         pass

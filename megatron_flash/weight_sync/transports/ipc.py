@@ -1,25 +1,100 @@
-"""ipc: each bucket pickled with torch's ForkingPickler (CUDA IPC handles on GPU, shared-memory files
-on CPU with the `file_system` strategy) and POSTed to /update_weights_from_tensor of every engine,
-one copy of the payload per engine TP rank."""
+"""ipc: weights move through memory the trainer's host shares with the engines.
+
+Two ways, chosen per engine:
+  staged    engines that advertise `weight_update_shared_memory` in /get_server_info (the local
+            engine): CPU staging in the sender's persistent shared buffers, two filled and read
+            alternately, mapped once by each engine (shared_buffers.py). A new buffer set is made
+            when the engine set changes (an engine lost or readmitted); the old one is freed.
+  pickled   every other engine (SGLang): each bucket pickled with torch's ForkingPickler (CUDA IPC
+            handles on GPU, shared-memory files on CPU with the `file_system` strategy) and POSTed to
+            /update_weights_from_tensor, one copy of the payload per engine TP rank.
+"""
 
 from __future__ import annotations
 
 import base64
 import io
-from typing import ClassVar
+from typing import ClassVar, Optional, Sequence
+
+import torch
 
 from megatron_flash.weight_sync.calls import Errors
 from megatron_flash.weight_sync.plan import Bucket
-from megatron_flash.weight_sync.transports.base import StreamingTransport
+from megatron_flash.weight_sync.transports.base import StreamingTransport, TransportContext
+from megatron_flash.weight_sync.transports.shared_buffers import SharedBuffers, Stager
+
+STAGED_FLAG = "weight_update_shared_memory"
 
 
 class IpcTransport(StreamingTransport):
     name: ClassVar[str] = "ipc"
+    copies_buckets: ClassVar[bool] = True
+
+    def __init__(self, ctx: TransportContext) -> None:
+        super().__init__(ctx)
+        self._staged: dict[str, bool] = {}
+        """url → the engine takes staged buffers (asked once per engine process)."""
+        self._stager: Optional[Stager] = None
+        self._engine_set: frozenset[str] = frozenset()
+
+    def prepare(self, version: int) -> None:
+        engines = frozenset(self.ctx.in_service())
+        if self._stager is not None and engines != self._engine_set:
+            self._close_stager()  # an engine lost or added: new buffers for the new set
+        self._engine_set = engines
 
     def send(self, bucket: Bucket, urls: list[str], step: str) -> Errors:
+        staged = [u for u in urls if self._takes_staged(u)]
+        pickled = [u for u in urls if u not in staged]
+        errors: Errors = {}
+        if staged:
+            errors.update(self._stager_for().add(bucket, staged, step))
+        if pickled:
+            errors.update(self._send_pickled(bucket, pickled, step))
+        return errors
+
+    def drain(self) -> Errors:
+        return self._stager.drain() if self._stager is not None else {}
+
+    def forget(self, urls: Sequence[str]) -> None:
+        for url in urls:
+            self._staged.pop(url, None)
+        self._close_stager()
+
+    def close(self) -> None:
+        self._close_stager()
+
+    # -------------------------------------------------------------- staged
+    def _takes_staged(self, url: str) -> bool:
+        if url not in self._staged:
+            infos, _ = self.ctx.calls.fan("get_server_info", [url], lambda c: c.server_info(), retries=1)
+            self._staged[url] = bool(infos.get(url, {}).get(STAGED_FLAG))  # unknown → pickled, never wrong
+        return self._staged[url]
+
+    def _stager_for(self) -> Stager:
+        if self._stager is None:
+            size = max(4096, min(self.ctx.bucket_bytes, self.ctx.sender_bytes_bound))
+            self._stager = Stager(self._deliver, SharedBuffers(size))
+        return self._stager
+
+    def _deliver(self, spec: dict, entries: list, urls: list[str], label: str) -> Errors:
+        return self.ctx.calls.fan(f"{label} (update_weights_from_shared_memory)", urls,
+                                  lambda c: c.update_weights_from_shared_memory(spec, entries))[1]
+
+    def _close_stager(self) -> None:
+        stager, self._stager = self._stager, None
+        if stager is not None:
+            stager.close()
+
+    # -------------------------------------------------------------- pickled
+    def _send_pickled(self, bucket: Bucket, urls: list[str], step: str) -> Errors:
         import torch.multiprocessing as mp
         from multiprocessing.reduction import ForkingPickler
 
+        # Private copies: ForkingPickler moves a CPU storage into a shared-memory file for good, and an
+        # engine that opened the file and died takes its name with it (every later send of the trainer's
+        # own storage would fail).
+        bucket = [(name, torch.empty(t.shape, dtype=t.dtype).copy_(t)) for name, t in bucket]  # in host memory
         mp.set_sharing_strategy("file_system")  # file_descriptor sharing crashes SGLang's scheduler
         buf = io.BytesIO()
         ForkingPickler(buf).dump(bucket)

@@ -61,6 +61,7 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--model-path", default="", help="use this HF model instead of building the long-tail one")
     p.add_argument("--out", default="runs/bench_async_vs_sync")
+    benchlib.add_engine_device_args(p)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more config overrides for both modes")
     args = p.parse_args()
     name = "async_vs_sync"
@@ -72,6 +73,7 @@ def main() -> int:
         f"rollout.max_new_tokens={args.max_len + 8}", f"trainer.max_seq_len={args.max_len + 16}",
         f"trainer.global_batch_size={batch}", f"trainer.micro_batch_size={args.micro_batch or batch}",
         f"trainer.total_steps={args.steps}", f"loss.name={args.loss}", f"optimizer.lr={args.lr}",
+        *[f"engines.server_args.{k}={v}" for k, v in benchlib.engine_device_server_args(args).items()],
         *args.overrides,
     ]
     runs: dict[str, list[dict]] = {"sync": [], "async": []}

@@ -273,6 +273,17 @@ def run_pipeline(*, model: str, run_dir: str, overrides: Sequence[str], num_engi
     return rows, mon
 
 
+def add_engine_device_args(p: argparse.ArgumentParser) -> None:
+    """--engine-device / --engine-dtype: where the local engine decodes (its --device / --dtype)."""
+    p.add_argument("--engine-device", default="cpu", help="local engine device: cpu, cuda, cuda:N")
+    p.add_argument("--engine-dtype", default="", help="local engine dtype (default: float32 on cpu, bfloat16 on cuda)")
+
+
+def engine_device_server_args(args: argparse.Namespace) -> dict[str, str]:
+    dtype = args.engine_dtype or ("float32" if args.engine_device == "cpu" else "bfloat16")
+    return {"device": args.engine_device, "dtype": dtype}
+
+
 def steady(rows: Sequence[dict], *, skip: int, keys: Sequence[str]) -> dict[str, float]:
     """Mean of each key over rows[skip:] (None values ignored)."""
     out = {}

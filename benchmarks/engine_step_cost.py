@@ -107,16 +107,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="closed-loop prompt lengths, e.g. 2,100: the difference in per-request cost is prefill")
     p.add_argument("--max-batch-tokens", type=int, default=0,
                    help="CPU server tokens per forward step (0: max(256, 4 x the most running))")
+    p.add_argument("--device", default="cpu", help="local engine device: cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="", help="local engine dtype (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--model-path", default="", help="serve this HF model instead of a tiny one")
     args = p.parse_args(argv)
 
     from benchmarks.benchlib import env, free_ports
     from megatron_flash.engines.launcher import EngineLauncher
 
     work = tempfile.mkdtemp(prefix="mf_step_cost_")
-    model = os.path.join(work, "model")
-    subprocess.run([sys.executable, os.path.join(REPO, "tools/make_tiny_model.py"), "--out", model, "--num-layers",
-                    str(args.num_layers), "--hidden-size", str(args.hidden_size)], check=True, env=env(),
-                   stdout=subprocess.DEVNULL)
+    model = args.model_path or os.path.join(work, "model")
+    if not args.model_path:
+        subprocess.run([sys.executable, os.path.join(REPO, "tools/make_tiny_model.py"), "--out", model, "--num-layers",
+                        str(args.num_layers), "--hidden-size", str(args.hidden_size)], check=True, env=env(),
+                       stdout=subprocess.DEVNULL)
     ks = [] if args.skip_batch else [int(x) for x in args.k.split(",")]
     loop_ks = [int(x) for x in args.loop_k.split(",") if x]
     loop_ns = [int(x) for x in args.loop_n.split(",") if x]
@@ -127,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     blocks = most * -(-(max(4, *loop_ps) + args.long) // 16) + 16
     launcher = EngineLauncher(backend="cpu", model_path=model, num_engines=1, base_port=free_ports(1), run_dir=work,
                               server_args={"num-blocks": blocks,
-                                           "max-batch-tokens": args.max_batch_tokens or max(256, most * 4)},
+                                           "max-batch-tokens": args.max_batch_tokens or max(256, most * 4),
+                                           "device": args.device,
+                                           "dtype": args.dtype or ("float32" if args.device == "cpu" else "bfloat16")},
                               env={"OMP_NUM_THREADS": "1"})
     step, per_req = {}, {}
     with launcher:

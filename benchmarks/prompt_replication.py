@@ -58,6 +58,7 @@ def main() -> int:
                    help="also run mode 'chunked': replication with rollout.replication_chunk=K samples per request")
     p.add_argument("--model-path", default="")
     p.add_argument("--out", default="runs/bench_prompt_replication")
+    benchlib.add_engine_device_args(p)
     args = p.parse_args()
     name = "prompt_replication"
     model = args.model_path or benchlib.long_tail_model(num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -68,7 +69,8 @@ def main() -> int:
               f"rollout.n_samples_per_prompt={args.n}", f"rollout.max_new_tokens={args.max_len + 8}",
               f"trainer.max_seq_len={args.max_len + 16}", f"async_rl.alpha={args.alpha}",
               f"engines.max_inflight_per_engine={args.max_inflight}",
-              f"engines.server_args.num_blocks={args.num_blocks}", "engines.server_args.max_batch_tokens=512"]
+              f"engines.server_args.num_blocks={args.num_blocks}", "engines.server_args.max_batch_tokens=512",
+              *[f"engines.server_args.{k}={v}" for k, v in benchlib.engine_device_server_args(args).items()]]
     keys = ("time_step", "engine_idle_frac", "tokens_per_s", "response_len_mean")
     modes = ["off", "on"] + (["chunked"] if args.chunk > 1 else [])
     results: dict[str, list[dict]] = {m: [] for m in modes}

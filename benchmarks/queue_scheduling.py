@@ -158,6 +158,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-path", default="")
     p.add_argument("--out", default="runs/bench_queue_scheduling")
+    benchlib.add_engine_device_args(p)
     args = p.parse_args()
     name = "queue_scheduling"
     model = args.model_path or benchlib.long_tail_model(num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -170,7 +171,8 @@ def main() -> int:
     max_new = args.max_len + 8
     # The CPU engine admits a request once its worst case (prompt of 2 + max_new tokens, whole 16-token
     # pages) fits its KV cache: size the cache so that --max-running requests run at once.
-    server_args = {"num_blocks": args.max_running * -(-(2 + max_new) // 16), "max_batch_tokens": 512}
+    server_args = {"num_blocks": args.max_running * -(-(2 + max_new) // 16), "max_batch_tokens": 512,
+                   **benchlib.engine_device_server_args(args)}
     batch = args.prompts * args.n
     product = [f"data.path={data}", "data.task=", "trainer.mode=rollout_only", f"trainer.total_steps={args.steps}",
                f"trainer.global_batch_size={batch}", f"trainer.micro_batch_size={batch}",

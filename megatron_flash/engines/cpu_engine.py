@@ -160,13 +160,14 @@ class _PauseHolder:
 
 
 class CpuEngine(EngineUpdates):
-    """SGLang-contract generation engine on transformers continuous batching (CPU, fp32).
+    """SGLang-contract generation engine on transformers continuous batching (any torch device and
+    dtype: CPU fp32 by default; `device="cuda", dtype="bfloat16"` on a GPU).
 
     All public coroutines run on one asyncio loop; the CB loop runs in its own thread.
     """
 
     def __init__(self, *, model_path: str, num_blocks: int = 64, page_size: int = 16, max_batch_tokens: int = 256,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, device: str = "cpu", dtype: str = "float32") -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
         from transformers.generation.continuous_batching.cb_logits_processors import (
@@ -179,7 +180,8 @@ class CpuEngine(EngineUpdates):
         self.model_path = model_path
         self.tokenizer_path = model_path
         self.hf_config = AutoConfig.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.device, self.dtype = engine_device(device), engine_dtype(dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         except Exception as error:  # a checkpoint without tokenizer still serves input_ids
@@ -258,15 +260,17 @@ class CpuEngine(EngineUpdates):
         banned = [sorted(r.stop_ids) if r is not None and len(r.output_ids) < r.spec.min_new_tokens else []
                   for r in reqs]
         tokens, logprobs = sample_rows(scores, specs, [None if r is None else r.generator for r in reqs], banned)
+        picked = logprobs.gather(1, tokens.view(-1, 1))[:, 0].tolist()  # one device→host copy per step, not per row
+        token_ids = tokens.tolist()
 
         touched = []
         with self._lock:
             for i, req in enumerate(reqs):
                 if req is None or req.finish is not None or req.cb_id != cb_ids[i]:
                     continue
-                token = int(tokens[i])
+                token = token_ids[i]
                 req.output_ids.append(token)
-                req.logprobs.append(float(logprobs[i, token]))
+                req.logprobs.append(picked[i])
                 if token in req.stop_ids:
                     req.finish = {"type": "stop", "matched": token}
                 elif len(req.output_ids) >= req.spec.max_new_tokens:
@@ -541,3 +545,27 @@ def model_summary(engine: CpuEngine) -> dict:
         "architectures": getattr(engine.hf_config, "architectures", None),
     }
 
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def engine_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return getattr(torch, name)
+
+
+def engine_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ValueError(f"--device {name!r}: {error}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name!r}: this torch has no usable CUDA device")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ValueError(f"--device must be cpu or cuda[:N], got {name!r}")
+    return device

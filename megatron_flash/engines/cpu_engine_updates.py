@@ -87,7 +87,7 @@ class EngineUpdates:
             with torch.no_grad():
                 for name, param in self.model.named_parameters():
                     self._weight_meta[name] = (param.shape, param.dtype)
-                    param.data = torch.empty(0, dtype=param.dtype)
+                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         gc.collect()
         _malloc_trim()
         return {"released": sorted(self._released), "before": before, "after": self.memory_bytes()}
@@ -105,7 +105,7 @@ class EngineUpdates:
             with torch.no_grad():
                 for name, param in self.model.named_parameters():
                     shape, dtype = self._weight_meta.pop(name)
-                    param.data = torch.zeros(shape, dtype=dtype)
+                    param.data = torch.zeros(shape, dtype=dtype, device=self.device)
         if "kv_cache" in tags:
             self._manager = await asyncio.to_thread(self._new_manager)
         async with self._gate:
@@ -172,9 +172,9 @@ class EngineUpdates:
             if "weights" in self._released:
                 raise ValueError("the weights are released (release_memory_occupation): resume them first")
             with self._parked():
-                logits = self.model(input_ids=torch.tensor([prompt_ids])).logits[0].float()
+                logits = self.model(input_ids=torch.tensor([prompt_ids], device=self.device)).logits[0].float()
             logprobs = torch.log_softmax(logits[:-1], dim=-1)
-            return logprobs.gather(-1, torch.tensor(prompt_ids[1:])[:, None])[:, 0].tolist()
+            return logprobs.gather(-1, torch.tensor(prompt_ids[1:], device=self.device)[:, None])[:, 0].tolist()
 
         self._ensure_loop_state()
         async with self._update_lock:

@@ -83,6 +83,7 @@ async def server_info(request: Request) -> dict:
             "memory_released": sorted(engine._released), "memory_releases": engine.num_releases,
             "num_live_requests": len(engine._live),
             "weight_update_shared_memory": True,  # /update_weights_from_shared_memory (staged ipc)
+            "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
             **engine.memory_bytes()}
 
 

@@ -2,6 +2,7 @@
 
     python -m megatron_flash.engines.cpu_server --model-path runs/tiny_model --port 30000
     python -m megatron_flash.engines.cpu_server --model-path DIR --port N --host 0.0.0.0 --api-key KEY
+    python -m megatron_flash.engines.cpu_server --model-path DIR --device cuda --dtype bfloat16   # on a GPU
 
 Request and response JSON follow SGLang (see docs/engines.md for the fields and the few deviations), so
 one client drives both. The routes (cpu_routes.py) are thin: parse, call the engine, shape SGLang's
@@ -25,7 +26,8 @@ from typing import Any
 logger = logging.getLogger("megatron_flash.cpu_server")
 
 _WEIGHT_ENDPOINTS = ("/update_weights_from_tensor", "/update_weights_from_disk", "/init_weights_update_group",
-                     "/update_weights_from_distributed", "/destroy_weights_update_group")
+                     "/update_weights_from_distributed", "/destroy_weights_update_group",
+                     "/update_weights_from_shared_memory")
 
 
 def _is_loopback(host: str) -> bool:
@@ -96,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch-tokens", type=int, default=256, help="tokens per forward step")
     parser.add_argument("--seed", type=int, default=None, help="seed of the sampling RNG")
     parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--device", default="cpu", help="torch device of the model and its KV cache: cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="dtype the model is served in (weight updates are cast to it)")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -118,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.multiprocessing.set_sharing_strategy("file_system")
     try:
         engine = CpuEngine(model_path=args.model_path, num_blocks=args.num_blocks, page_size=args.page_size,
-                           max_batch_tokens=args.max_batch_tokens, seed=args.seed)
+                           max_batch_tokens=args.max_batch_tokens, seed=args.seed, device=args.device,
+                           dtype=args.dtype)
     except Exception as error:
         print(f"error: cannot load model from {args.model_path!r}: {error}", file=sys.stderr)
         return 2

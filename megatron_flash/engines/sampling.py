@@ -97,7 +97,7 @@ def sample_rows(scores: torch.Tensor, specs: Sequence[Optional[SamplingSpec]],
     more, taken greedily and ignored), `banned[i]` token ids masked out first (stop ids before
     min_new_tokens). logprobs are of logits / T before any truncation, as SGLang reports them."""
     scores = scores.float().clone()
-    temperatures = torch.ones(len(specs), 1)
+    temperatures = torch.ones(len(specs), 1, device=scores.device)
     for i, spec in enumerate(specs):
         if spec is None:
             continue
@@ -121,5 +121,8 @@ def sample_rows(scores: torch.Tensor, specs: Sequence[Optional[SamplingSpec]],
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         if spec.min_p > 0.0:
             probs = torch.where(probs < spec.min_p * probs.max(), 0.0, probs)
-        tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+        generator = generators[i]
+        if generator is not None and generator.device != probs.device:  # seeded requests draw on the host
+            probs = probs.cpu()
+        tokens[i] = torch.multinomial(probs, 1, generator=generator)[0]
     return tokens, logprobs

@@ -6,7 +6,8 @@ its weights exactly, trains a step and SIGKILLs itself after bucket 1 of the v2 
 still answers at v1, holds exactly the dead trainer's two buffers, and nothing is left in /dev/shm.
 Trainer 2 (other weights) syncs v5 — the engine's half-open session from trainer 1 is closed by the
 re-sync — and the engine serves trainer 2's weights exactly, having swapped the old buffer set for the
-new one (two mappings, not four). Trainer 2 closes its bridge: no buffer descriptor left open.
+new one (two mappings, not four); a second engine served in bf16 (`--dtype bfloat16`) takes the same
+fp32 buffers and casts on copy. Trainer 2 closes its bridge: no buffer descriptor left open.
 Wall time ≈ 35 s (two trainer processes).
 
 "Exactly" = the engine's behaviour logprobs equal the trainer's logprobs of the same tokens (≤ 1e-4, fp32).
@@ -38,7 +39,10 @@ def test_trainer_killed_mid_sync_leaves_the_engine_serving_and_nothing_behind(ti
 
     shm_before = set(os.listdir("/dev/shm"))
     with EngineLauncher(backend="cpu", model_path=tiny_models["llama"], base_port=free_ports(1),
-                        run_dir=str(tmp_path), startup_timeout_s=180) as launcher:
+                        run_dir=str(tmp_path), startup_timeout_s=180) as launcher, \
+            EngineLauncher(backend="cpu", model_path=tiny_models["llama"], base_port=free_ports(1),
+                           run_dir=str(tmp_path / "bf16"), startup_timeout_s=180,
+                           server_args={"dtype": "bfloat16"}) as bf16:
         url, pid = launcher.urls[0], launcher.pids[0]
         args = [SCRIPT, "--model-path", tiny_models["llama"], "--url", url]
         died = run_tool(args + ["--phase", "die"], check=False, timeout=300)
@@ -55,8 +59,15 @@ def test_trainer_killed_mid_sync_leaves_the_engine_serving_and_nothing_behind(ti
         assert memfd_mappings(pid) == 2       # the dead trainer's set, mapped once, nothing more
         assert set(os.listdir("/dev/shm")) == shm_before
 
-        second = json.loads(run_tool(args + ["--phase", "recover"], timeout=300).stdout.strip().splitlines()[-1])
+        second = json.loads(run_tool(args + ["--phase", "recover", "--bf16-url", bf16.urls[0]],
+                                     timeout=300).stdout.strip().splitlines()[-1])
         assert second["v5"] == {"version": "5", "ok": True}, second
+        # a bf16 engine gets the same fp32 buffers and casts on copy: its sampling logprobs are the
+        # trainer's within bf16 rounding, and far from what it served before the sync
+        assert second["bf16_info"] == {"device": "cpu", "dtype": "bfloat16"}, second
+        assert second["bf16_v5"]["version"] == "5" and second["bf16_v5"]["max_diff"] < 0.1, second
+        assert second["bf16_before"]["max_diff"] > 0.3, second
+        assert memfd_mappings(bf16.pids[0]) == 2
         assert second["resynced"] is True  # trainer 1's open session made the first pass fail
         # two buffers, each held by its descriptor and by the mmap's own duplicate
         assert second["memfds_open"] == 4 and second["memfds_after_close"] == 0, second
@@ -76,6 +87,7 @@ def _main() -> int:
     p.add_argument("--model-path", required=True)
     p.add_argument("--url", required=True)
     p.add_argument("--phase", choices=["die", "recover"], required=True)
+    p.add_argument("--bf16-url", default="")
     args = p.parse_args()
 
     import torch
@@ -97,11 +109,11 @@ def _main() -> int:
         tokens = torch.randint(4, policy.spec.vocab_size, (8, 12), generator=gen)
         policy.train_step(TrainBatch(tokens=tokens, loss_mask=torch.ones(8, 12)), nll_loss_fn)
 
-    def serves() -> dict:
+    def serves(url: str = "", tolerance: float = 1e-4) -> dict:
         prompts = [[11, 9, 12, 10, 18], [5, 6, 7, 8]]
 
         async def sample() -> list:
-            async with EngineClient(args.url) as client:
+            async with EngineClient(url or args.url) as client:
                 return [await client.generate(pr, {"temperature": 1.0, "max_new_tokens": 10, "ignore_eos": True})
                         for pr in prompts]
         worst, version = 0.0, None
@@ -111,7 +123,9 @@ def _main() -> int:
             engine = torch.tensor(r.output_logprobs, dtype=torch.float64)
             worst = max(worst, (lp[0, len(prompt):].double() - engine).abs().max().item())
             version = r.weight_version
-        return {"version": version, "ok": worst <= 1e-4}
+        if url:
+            return {"version": version, "max_diff": worst}
+        return {"version": version, "ok": worst <= tolerance}
 
     def memfds() -> int:
         links = []
@@ -150,8 +164,16 @@ def _main() -> int:
             raise AssertionError("the trainer should have been killed during the v2 sync")
         step(2)
         step(3)
+        out["bf16_before"] = serves(args.bf16_url)
+        bridge.readmit([args.bf16_url])  # a second engine, served in bf16
         report = bridge.sync(5)
-        out.update(v5=serves(), resynced=report.resynced_urls == [args.url], memfds_open=memfds())
+
+        async def info() -> dict:
+            async with EngineClient(args.bf16_url) as client:
+                got = await client.server_info()
+            return {"device": got["device"], "dtype": got["dtype"]}
+        out.update(v5=serves(), resynced=report.resynced_urls == [args.url], memfds_open=memfds(),
+                   bf16_v5=serves(args.bf16_url), bf16_info=asyncio.run(info()))
         bridge.close()
         out["memfds_after_close"] = memfds()
         print(json.dumps(out), flush=True)

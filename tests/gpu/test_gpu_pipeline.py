@@ -1,9 +1,10 @@
 """The product with its trainer on a GPU (1 GPU is enough): CUDA weight sync and the whole quickstart.
 
-The engine is the project's CPU engine server (SGLang on GPU is not installed on the lent GPU
-machines); with the trainer on CUDA the `ipc` transport ships CUDA-IPC handles, which the engine
-process opens on the same GPU and copies into its own weights — the colocated path of a real cluster.
-Trainer logits are fp32 on the GPU vs fp32 on the CPU engine: compared at 1e-3 (matmul order differs).
+The engine is the project's local engine server (SGLang on GPU is not installed on the lent GPU
+machines), on the CPU or (`--device cuda`) on the same GPU as the trainer; the `ipc` transport stages
+the trainer's CUDA tensors into its host shared buffers (one device→host copy) and the engine copies
+them into its own weights. Trainer logits are fp32 on the GPU vs fp32 on the engine: compared at 1e-3
+(matmul order differs).
 """
 
 from __future__ import annotations
@@ -35,6 +36,18 @@ def test_quickstart_learns_with_the_trainer_on_gpu(tmp_path) -> None:
                     timeout=900)
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     print("quickstart on GPU:", json.dumps(summary))  # for docs/benchmarks.md (pytest -s)
+    assert summary["reward_first5"] < 0.2, summary
+    assert summary["reward_last5"] > 0.6, summary
+    assert summary["staleness_max"] <= 2, summary
+
+
+@pytest.mark.gpu(1)
+def test_quickstart_learns_with_trainer_and_engine_on_one_gpu(tmp_path) -> None:
+    """Both on one GPU: the local engine decodes on CUDA (fp32, so the post-sync probe stays tight)."""
+    proc = run_tool(["launch/quickstart_cpu.py", "--out", str(tmp_path), "logging.wandb_mode=disabled",
+                     "engines.server_args.device=cuda", "engines.server_args.dtype=float32"], timeout=900)
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    print("quickstart, engine on GPU:", json.dumps(summary))  # for docs/benchmarks.md (pytest -s)
     assert summary["reward_first5"] < 0.2, summary
     assert summary["reward_last5"] > 0.6, summary
     assert summary["staleness_max"] <= 2, summary

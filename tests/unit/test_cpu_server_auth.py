@@ -39,11 +39,30 @@ def test_with_the_token_requests_pass_on_to_the_app():
     assert c.post("/no_such_path", json={}, headers={"Authorization": "Bearer S3CRET"}).status_code == 401
 
 
-def test_weight_endpoints_are_refused_off_loopback_without_a_key():
+@pytest.mark.parametrize("path", ["/update_weights_from_disk", "/update_weights_from_shared_memory",
+                                  "/update_weights_from_tensor", "/update_weights_from_distributed"])
+def test_weight_endpoints_are_refused_off_loopback_without_a_key(path):
     c = client(host="0.0.0.0")
-    r = c.post("/update_weights_from_disk", json={"model_path": "/x"})
-    assert r.status_code == 403 and "/update_weights_from_disk" in r.json()["error"]
+    r = c.post(path, json={"model_path": "/x"})
+    assert r.status_code == 403 and path in r.json()["error"]
     assert c.post("/no_such_path", json={}).status_code == 404  # other paths are not guarded
     # on loopback the same request reaches the endpoint (which then fails on the stub engine, not 403)
     with TestClient(build_app(Healthy(), host="127.0.0.1"), raise_server_exceptions=False) as loop:
         assert loop.post("/update_weights_from_disk", json={"model_path": "/x"}).status_code not in (401, 403)
+
+
+def test_device_and_dtype_are_checked_with_the_flag_named():
+    import torch
+
+    from megatron_flash.engines.cpu_engine import engine_device, engine_dtype
+
+    assert engine_dtype("bfloat16") is torch.bfloat16 and engine_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="--dtype must be one of float32, bfloat16, float16, got 'int8'"):
+        engine_dtype("int8")
+    with pytest.raises(ValueError, match="--device must be cpu or cuda"):
+        engine_device("meta")
+    with pytest.raises(ValueError, match="--device 'gpu'"):
+        engine_device("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device 'cuda': this torch has no usable CUDA device"):
+            engine_device("cuda")

@@ -1,6 +1,10 @@
 """Learning at α = 2 with each off-policy loss vs synchronous (α = 0) ppo, same sample budget.
 
     OMP_NUM_THREADS=1 python benchmarks/learning.py [--steps 40] [--seeds 0] [--losses ppo,decoupled_ppo,tis,cispo,topr]
+    OMP_NUM_THREADS=1 python benchmarks/learning.py --seeds 0,1 \
+        --losses gspo/seq_mean_token_mean,decoupled_ppo/seq_mean_token_sum,decoupled_ppo/seq_mean_token_sum_norm
+
+A --losses item is `loss` or `loss/aggregation` (loss.aggregation; default token_mean).
 
 Task: the quickstart (configs/quickstart_cpu.yaml): sort4 from the format-only warm model (reward
 starts at chance, ≈ 1/24), 16 prompts × 8 samples per step, Adam lr 1e-3, one CPU engine server.
@@ -68,17 +72,18 @@ def main() -> int:
     args = p.parse_args()
     name = "learning"
     seeds = [int(s) for s in args.seeds.split(",")]
-    runs = [("sync ppo", 0, "ppo")] + [(f"α={args.alpha} {loss}", args.alpha, loss) for loss in args.losses.split(",")]
+    runs = [("sync ppo", 0, "ppo")] + [(f"α={args.alpha} {item}", args.alpha, item) for item in args.losses.split(",")]
     curves: dict[str, dict[int, list[float]]] = {label: {} for label, _, _ in runs}
     final: dict[str, dict[int, float]] = {label: {} for label, _, _ in runs}
     t0, load_before = time.time(), benchlib.uptime_load()
     for seed in seeds:
         model = benchlib.quickstart_warm_model(seed=seed, name=name)
-        for label, alpha, loss in runs:
-            run_dir = os.path.join(benchlib.REPO, args.out, f"a{alpha}_{loss}_s{seed}")
+        for label, alpha, item in runs:
+            loss, _, aggregation = item.partition("/")
+            run_dir = os.path.join(benchlib.REPO, args.out, f"a{alpha}_{item.replace('/', '_')}_s{seed}")
             rows, _ = benchlib.run_pipeline(model=model, run_dir=run_dir, name=name, overrides=[
-                f"async_rl.alpha={alpha}", f"loss.name={loss}", f"trainer.total_steps={args.steps}",
-                f"trainer.seed={seed}", *args.overrides])
+                f"async_rl.alpha={alpha}", f"loss.name={loss}", f"loss.aggregation={aggregation or 'token_mean'}",
+                f"trainer.total_steps={args.steps}", f"trainer.seed={seed}", *args.overrides])
             rewards = [r["reward_mean"] for r in rows]
             curves[label][seed] = rewards
             final[label][seed] = statistics.fmean(rewards[-args.last:])

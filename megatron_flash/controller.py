@@ -114,7 +114,7 @@ class Controller:
         cfg = self.cfg
         os.makedirs(self.run_dir, exist_ok=True)
         torch.manual_seed(cfg.trainer.seed)
-        self.loss, self.loss_fn = _loss_fns(cfg.loss, self._loss)
+        self.loss, self.loss_fn = _loss_fns(cfg.loss, self._loss, cfg.rollout.max_new_tokens)
         self.staleness = StalenessManager(alpha=cfg.async_rl.alpha, batch_size=self.batch_size,
                                           extra=cfg.rollout.extra_prompts * cfg.rollout.n_samples_per_prompt)
         if self.mode.trains:
@@ -502,12 +502,13 @@ def _picklable(obj: Any) -> bool:
         return False
 
 
-def _loss_fns(loss_cfg: Any, loss: Any) -> tuple[Any, Any]:
+def _loss_fns(loss_cfg: Any, loss: Any, max_new_tokens: int) -> tuple[Any, Any]:
     """(Loss, the trainer's loss_fn): the launcher's already-checked loss when it passed one."""
-    from megatron_flash.trainer.loss_adapter import build_loss, make_loss_fn
+    from megatron_flash.trainer.loss_adapter import aggregation_norm, build_loss, make_loss_fn
 
     loss = loss if loss is not None else build_loss(loss_cfg)
-    return loss, make_loss_fn(loss, aggregation=loss_cfg.aggregation)
+    return loss, make_loss_fn(loss, aggregation=loss_cfg.aggregation,
+                              norm=aggregation_norm(loss_cfg, max_new_tokens))
 
 
 def _build_policy(cfg: Any) -> Any:

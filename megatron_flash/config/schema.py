@@ -20,7 +20,7 @@ TRI_STATE = ("auto", "true", "false")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 OPTIMIZERS = ("adam", "sgd")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 ADVANTAGES = ("grpo", "rloo", "reinforce")
 KL_ESTIMATORS = ("k1", "k3")
 DYNAMIC_FILTERS = ("none", "nonzero_std")  # built-ins; "module:function" names a user filter
@@ -313,7 +313,11 @@ class LossConfig(_Section):
     """Keyword parameters passed verbatim to the loss factory, e.g. {eps_high: 0.28}."""
     aggregation: str = "token_mean"
     """How per-token losses reduce: token_mean (over all tokens of the global batch) |
-    seq_mean_token_mean (mean over tokens of each sequence, then over sequences)."""
+    seq_mean_token_mean (mean over tokens of each sequence, then over sequences; GSPO's) |
+    seq_mean_token_sum (sum over tokens, mean over sequences) | seq_mean_token_sum_norm (token sum
+    divided by a constant, then mean over sequences: Dr. GRPO)."""
+    aggregation_norm: int = 0
+    """The constant of seq_mean_token_sum_norm; 0 = rollout.max_new_tokens (the longest response)."""
     advantage: str = "grpo"
     """Advantage estimator: grpo (reward − group mean) | rloo (leave-one-out baseline) | reinforce."""
     advantage_std_normalize: bool = True
@@ -326,6 +330,10 @@ class LossConfig(_Section):
     def validate(self) -> None:
         self._require(bool(self.name), "name", "must be a non-empty loss name")
         self._one_of("aggregation", AGGREGATIONS)
+        self._at_least("aggregation_norm", 0)
+        if self.aggregation_norm and self.aggregation != "seq_mean_token_sum_norm":
+            raise ValueError(f"loss.aggregation_norm={self.aggregation_norm} is only used with "
+                             f"loss.aggregation=seq_mean_token_sum_norm (got {self.aggregation!r})")
         self._one_of("advantage", ADVANTAGES)
         self._at_least("kl_coef", 0.0)
         self._one_of("kl_estimator", KL_ESTIMATORS)

@@ -17,7 +17,7 @@ from megatron_flash.losses.corrections import COMMON_PARAMS, KL_ESTIMATORS, MISM
 from megatron_flash.losses.registry import Loss, get_loss, list_losses, loss_param_names, register_loss
 
 # Importing a loss module registers it.
-from megatron_flash.losses import cispo, decoupled_ppo, ppo, reinforce, tis, topr  # noqa: E402,F401
+from megatron_flash.losses import cispo, decoupled_ppo, gspo, ppo, reinforce, tis, topr  # noqa: E402,F401
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

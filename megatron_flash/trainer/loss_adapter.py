@@ -16,7 +16,7 @@ from megatron_flash.losses import Loss, aggregate
 from megatron_flash.types import TrainBatch
 
 
-def make_loss_fn(loss: Loss, *, aggregation: str = "token_mean"):
+def make_loss_fn(loss: Loss, *, aggregation: str = "token_mean", norm: Optional[float] = None):
     def loss_fn(mb: TrainBatch, logprobs: torch.Tensor, entropy: Optional[torch.Tensor]):
         if mb.behavior_logprobs is None or mb.advantages is None:
             raise ValueError("an RL loss needs the batch's behavior_logprobs and advantages")
@@ -29,7 +29,7 @@ def make_loss_fn(loss: Loss, *, aggregation: str = "token_mean"):
             proximal_logprobs=mb.proximal_logprobs,
             reference_logprobs=mb.reference_logprobs,
         )
-        loss_sum, denominator = aggregate(per_token, mb.loss_mask, mode=aggregation)
+        loss_sum, denominator = aggregate(per_token, mb.loss_mask, mode=aggregation, norm=norm)
         if entropy is not None:
             mask = mb.loss_mask
             metrics = {**metrics, "entropy": (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)}
@@ -52,7 +52,15 @@ def build_loss(loss_cfg) -> Loss:
                     kl_estimator=loss_cfg.kl_estimator)
 
 
-def build_loss_fn(loss_cfg):
+def aggregation_norm(loss_cfg, max_new_tokens: int) -> Optional[float]:
+    """C of seq_mean_token_sum_norm: `loss.aggregation_norm`, or the longest response allowed."""
+    if loss_cfg.aggregation != "seq_mean_token_sum_norm":
+        return None
+    return float(loss_cfg.aggregation_norm or max_new_tokens)
+
+
+def build_loss_fn(loss_cfg, *, max_new_tokens: int = 0):
     """(Loss, trainer loss_fn) from a `LossConfig`; the only place a config becomes a loss."""
     loss = build_loss(loss_cfg)
-    return loss, make_loss_fn(loss, aggregation=loss_cfg.aggregation)
+    return loss, make_loss_fn(loss, aggregation=loss_cfg.aggregation,
+                              norm=aggregation_norm(loss_cfg, max_new_tokens))

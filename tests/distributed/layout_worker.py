@@ -67,6 +67,7 @@ def main() -> None:
     p.add_argument("--distributed-optimizer", action="store_true")
     p.add_argument("--loss", default="", help="registry loss (e.g. tis); default: fixed weighted NLL")
     p.add_argument("--aggregation", default="token_mean")
+    p.add_argument("--aggregation-norm", type=float, default=None, help="C of seq_mean_token_sum_norm")
     p.add_argument("--loss-param", action="append", default=[], help="key=value for the loss")
     p.add_argument("--no-pack", action="store_true", help="padded micro-batches (trainer.pack_sequences=false)")
     p.add_argument("--max-tokens", type=int, default=0, help="trainer.max_tokens_per_micro_batch")
@@ -103,7 +104,8 @@ def main() -> None:
                 params[key] = float(value)
             except ValueError:
                 params[key] = value
-        loss_fn = make_loss_fn(get_loss(args.loss, **params), aggregation=args.aggregation)
+        loss_fn = make_loss_fn(get_loss(args.loss, **params), aggregation=args.aggregation,
+                               norm=args.aggregation_norm)
         batch = batch.replace(**rl_fields(batch, logprobs))
     metrics = policy.train_step(batch, loss_fn)
     policy.export_hf(os.path.join(args.out, "export1"))

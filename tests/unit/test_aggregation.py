@@ -33,15 +33,23 @@ def batch(seed: int = 0) -> dict[str, torch.Tensor]:
     )
 
 
-def split_gradient(inputs: dict[str, torch.Tensor], *, mode: str, seqs_per_micro: int) -> torch.Tensor:
-    loss_fn = get_loss("ppo")
+NORM = 5.0  # the constant of seq_mean_token_sum_norm
+
+
+def norm_of(mode: str) -> float | None:
+    return NORM if mode == "seq_mean_token_sum_norm" else None
+
+
+def split_gradient(inputs: dict[str, torch.Tensor], *, mode: str, seqs_per_micro: int,
+                   loss_name: str = "ppo") -> torch.Tensor:
+    loss_fn = get_loss(loss_name)
     logprobs = inputs["logprobs"].clone().requires_grad_(True)
     loss_sums, denominators = [], []
     for start in range(0, NUM_SEQS, seqs_per_micro):
         rows = slice(start, start + seqs_per_micro)
         micro = {key: value[rows] for key, value in inputs.items()}
         per_token, _ = loss_fn(**{**micro, "logprobs": logprobs[rows]})
-        loss_sum, denominator = aggregate(per_token, micro["loss_mask"], mode=mode)
+        loss_sum, denominator = aggregate(per_token, micro["loss_mask"], mode=mode, norm=norm_of(mode))
         loss_sums.append(loss_sum)
         denominators.append(denominator)
     total = torch.stack(loss_sums).sum() / torch.stack(denominators).sum()
@@ -49,14 +57,41 @@ def split_gradient(inputs: dict[str, torch.Tensor], *, mode: str, seqs_per_micro
     return logprobs.grad
 
 
+@pytest.mark.parametrize("loss_name", ["ppo", "gspo"])
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
-def test_gradient_is_split_invariant(mode):
+def test_gradient_is_split_invariant(mode, loss_name):
     inputs = batch()
-    full = split_gradient(inputs, mode=mode, seqs_per_micro=8)
+    full = split_gradient(inputs, mode=mode, seqs_per_micro=8, loss_name=loss_name)
     assert full.abs().sum() > 0
     for seqs_per_micro in (4, 2, 1):
-        torch.testing.assert_close(split_gradient(inputs, mode=mode, seqs_per_micro=seqs_per_micro), full,
-                                   rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(split_gradient(inputs, mode=mode, seqs_per_micro=seqs_per_micro,
+                                                  loss_name=loss_name), full, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_full_objective_matches_a_float64_loop(mode):
+    """The global objective Megatron minimises, Σ loss_sum / Σ denominator, against plain loops."""
+    inputs = batch(1)
+    per_token, _ = get_loss("reinforce")(**inputs)  # per-token loss −A·lp: values easy to recompute
+    loss_sum, denominator = aggregate(per_token, inputs["loss_mask"], mode=mode, norm=norm_of(mode))
+    lp, adv, mask = inputs["logprobs"].tolist(), inputs["advantages"].tolist(), inputs["loss_mask"].tolist()
+    seqs = [[-adv[b][t] * lp[b][t] for t in range(NUM_POS) if mask[b][t]] for b in range(NUM_SEQS)]
+    seqs = [row for row in seqs if row]
+    want = {"token_mean": sum(map(sum, seqs)) / sum(map(len, seqs)),
+            "seq_mean_token_mean": sum(sum(r) / len(r) for r in seqs) / len(seqs),
+            "seq_mean_token_sum": sum(sum(r) for r in seqs) / len(seqs),
+            "seq_mean_token_sum_norm": sum(sum(r) / NORM for r in seqs) / len(seqs)}[mode]
+    assert (loss_sum / denominator).item() == pytest.approx(want, rel=1e-12)
+
+
+def test_token_sum_modes_refuse_a_missing_or_stray_norm():
+    per_token, mask = torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="norm is required"):
+        aggregate(per_token, mask, mode="seq_mean_token_sum_norm")
+    with pytest.raises(ValueError, match="norm is only for seq_mean_token_sum_norm"):
+        aggregate(per_token, mask, mode="token_mean", norm=4.0)
+    with pytest.raises(ValueError, match="norm must be > 0"):
+        aggregate(per_token, mask, mode="seq_mean_token_sum_norm", norm=0.0)
 
 
 def test_naive_mean_of_means_is_not_invariant():
@@ -93,7 +128,8 @@ def test_default_mode_is_token_mean_and_bad_inputs_raise():
     per_token = torch.ones(2, 3)
     mask = torch.ones(2, 3, dtype=torch.bool)
     assert aggregate(per_token, mask)[1].item() == 6
-    message = "unknown aggregation mode 'seq_mean'; known: token_mean, seq_mean_token_mean"
+    message = ("unknown aggregation mode 'seq_mean'; known: token_mean, seq_mean_token_mean, seq_mean_token_sum, "
+               "seq_mean_token_sum_norm")
     with pytest.raises(ValueError, match=message):
         aggregate(per_token, mask, mode="seq_mean")
     with pytest.raises(ValueError, match="same"):

@@ -190,6 +190,10 @@ class Controller:
             flag = torch.tensor([1 if stop else 0])
             dist.all_reduce(flag, group=self._ctrl_group)
             stop = bool(flag.item())
+        if c.save_hf_interval > 0 and (step + 1) % c.save_hf_interval == 0 and self.mode.trains:
+            # Before the Megatron checkpoint: a run killed during the export resumes from the step
+            # before and exports this step again (a half-written export never has a checkpoint after it).
+            self.export_hf_checkpoint(step)
         due = c.save_interval > 0 and (step + 1) % c.save_interval == 0
         if (due or stop) and c.save_dir and self.mode.checkpoints:
             from megatron_flash.trainer import checkpoint as ckpt
@@ -202,6 +206,22 @@ class Controller:
                 logger.info("checkpoint %s (%.2f s)%s", path, time.monotonic() - t0,
                             "; stopping on SIGTERM" if stop else "")
         return stop
+
+    def hf_dir(self) -> str:
+        return os.path.join(self.cfg.checkpoint.save_dir or self.run_dir, "hf")
+
+    def export_hf_checkpoint(self, step: int) -> str:
+        """HF checkpoint of the weights after `step` (collective), then hf/latest → it (rank 0)."""
+        from megatron_flash.hf.io import point_latest
+
+        t0 = time.monotonic()
+        name = f"step_{step + 1:06d}"
+        out = os.path.join(self.hf_dir(), name)
+        self.policy.export_hf(out)
+        if self.rank == 0:
+            point_latest(self.hf_dir(), name)
+            logger.info("HF checkpoint %s (%.2f s)", out, time.monotonic() - t0)
+        return out
 
     def _start_rollout(self) -> list[str]:
         """Rank 0: dataset, buffer, engines (healthy); the rollout thread starts later."""

@@ -676,9 +676,13 @@ class CheckpointConfig(_Section):
     """Resume from the latest checkpoint in save_dir (model, optimizer, policy version, data order)."""
     save_hf_at_end: bool = True
     """Export HF safetensors at the end (under save_dir, else logging.dir)."""
+    save_hf_interval: int = 0
+    """Export an HF checkpoint every this many steps to {save_dir, else logging.dir}/hf/step_NNNNNN
+    (atomically) and point the symlink hf/latest at it; 0 = never."""
 
     def validate(self) -> None:
         self._at_least("save_interval", 0)
+        self._at_least("save_hf_interval", 0)
         if self.save_interval > 0:
             self._require(bool(self.save_dir), "save_dir", "must be set when checkpoint.save_interval > 0")
         if self.resume:
@@ -746,6 +750,9 @@ class RunConfig:
                 "trainer.moe_routing_replay=rollout is not built for agentic episodes (agentic.env or workflow is set): "
                 "a multi-turn sample's observation tokens were never routed by the engine"
             )
+        if self.checkpoint.save_hf_interval and not RUN_MODES[trainer.mode].trains:
+            raise ValueError(f"checkpoint.save_hf_interval={self.checkpoint.save_hf_interval}: "
+                             f"trainer.mode={trainer.mode} trains nothing to export")
         if self.engines.colocate and self.async_rl.alpha != 0:
             raise ValueError(
                 f"async_rl.alpha must be 0 with engines.colocate=true (colocated engines sleep while the "

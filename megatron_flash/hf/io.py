@@ -260,6 +260,21 @@ def export_hf(model: Any, out_dir: str, *, spec: HFModelSpec, layout: "Layout",
     dist.barrier()
 
 
+def point_latest(root: str, name: str) -> None:
+    """`root/latest` → `name` (a relative symlink), swapped atomically; leftovers of exports cut by
+    a kill (`*.partial`, `*.old`, a temporary link) are removed."""
+    for entry in os.listdir(root):
+        if entry.endswith((".partial", ".old")) or entry.startswith(".latest."):
+            path = os.path.join(root, entry)
+            if os.path.islink(path) or not os.path.isdir(path):
+                os.remove(path)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+    tmp = os.path.join(root, f".latest.{os.getpid()}")
+    os.symlink(name, tmp)
+    os.replace(tmp, os.path.join(root, "latest"))
+
+
 def replace_dir(partial: str, out: str) -> None:
     """Move a finished `partial` directory to `out`, replacing what was there: the old one is renamed
     aside first and removed last, so `out` is never half-written."""

@@ -3,7 +3,8 @@
 The ledger `trained_prompts.jsonl` records which prompts (dataset indices; `data.shuffle=false`, so
 index = position) each step trained; a resume truncates it to the checkpoint's step. Accounting at
 the end: every step exactly once, no prompt trained twice, and the prompts never trained are only
-those still outstanding when the run ended (at most (α + 1) batches' worth, all at the end).
+those still outstanding when the run ended (at most (α + 1) batches' worth, all at the end). The run
+also exports an HF checkpoint every 10 steps: each whole, none half-written, hf/latest → the last.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ import subprocess
 import sys
 import time
 
+import torch
+
 from megatron_flash.ports import free_ports
 from tests.conftest import REPO
 
 ALPHA, PROMPTS_PER_STEP, N, STEPS = 1, 4, 4, 30
+HF_EVERY = 10  # checkpoint.save_hf_interval
 
 
 def command(model: str, run_dir: str, port: int, *extra: str) -> list[str]:
@@ -81,7 +85,8 @@ def test_kill_minus_nine_and_resume_accounts_for_every_prompt(tiny_models, tmp_p
     kills = 0
     for attempt in range(8):
         port = free_ports(1)
-        proc = start(command(tiny_models["llama"], run_dir, port), log_path)
+        proc = start(command(tiny_models["llama"], run_dir, port, f"checkpoint.save_hf_interval={HF_EVERY}"),
+                     log_path)
         before = len(rows(ledger))
         if kills < 3:
             deadline = time.monotonic() + 180
@@ -112,6 +117,26 @@ def test_kill_minus_nine_and_resume_accounts_for_every_prompt(tiny_models, tmp_p
     metrics = rows(os.path.join(run_dir, "metrics.jsonl"))
     assert all(r["staleness_max"] <= ALPHA for r in metrics)  # the α bound holds across resumes
     print(f"kills={kills}, trained {len(trained)} prompts, never trained {sorted(never)}")
+
+    # HF exports during training, through the kills: one whole export per HF_EVERY steps, nothing
+    # half-written left, hf/latest → the last one, which is the run's final weights and loads in
+    # transformers.
+    hf = os.path.join(run_dir, "ckpt", "hf")
+    want = [f"step_{k:06d}" for k in range(HF_EVERY, STEPS + 1, HF_EVERY)]
+    assert sorted(os.listdir(hf)) == sorted(want + ["latest"]), os.listdir(hf)
+    assert os.readlink(os.path.join(hf, "latest")) == want[-1]
+    for name in want:
+        index = json.load(open(os.path.join(hf, name, "model.safetensors.index.json")))
+        assert index["weight_map"] and os.path.isfile(os.path.join(hf, name, "config.json"))
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import hf_weights
+
+    final = hf_weights(os.path.join(run_dir, "ckpt", "final_hf"))
+    latest = hf_weights(os.path.join(hf, "latest"))
+    assert final.keys() == latest.keys() and all(torch.equal(final[k], latest[k]) for k in final)
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(hf, "latest"))
+    assert torch.isfinite(model(input_ids=torch.tensor([[5, 6, 7]])).logits).all()
 
 
 def test_sigterm_saves_and_stops_cleanly(tiny_models, tmp_path) -> None:

@@ -395,3 +395,13 @@ def test_launcher_print_config_reloads_equal(tmp_path: Path) -> None:
 def test_launcher_malformed_override_exits_2() -> None:
     proc = _launch("--config", "configs/quickstart_cpu.yaml", "trainer.total_steps")
     assert proc.returncode == 2 and "'trainer.total_steps'" in _messages(proc.stderr)
+
+
+def test_recipe_fields_are_refused_where_they_would_do_nothing() -> None:
+    assert "loss.aggregation_norm=16 is only used with loss.aggregation=seq_mean_token_sum_norm" in _error(
+        QUICKSTART, ["loss.aggregation=seq_mean_token_sum", "loss.aggregation_norm=16"])
+    assert "checkpoint.save_hf_interval=5: trainer.mode=rollout_only trains nothing" in _error(
+        QUICKSTART, ["trainer.mode=rollout_only", "checkpoint.save_hf_interval=5"])
+    cfg = load_config(QUICKSTART, ["loss.name=gspo", "loss.aggregation=seq_mean_token_sum_norm",
+                                   "loss.aggregation_norm=16", "checkpoint.save_hf_interval=5"])
+    assert cfg.loss.aggregation_norm == 16 and cfg.checkpoint.save_hf_interval == 5

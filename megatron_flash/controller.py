@@ -333,6 +333,7 @@ class Controller:
                         pad_to_multiple=self.cfg.parallel.tensor_model_parallel_size)
         if not self.mode.trains:
             return batch
+        batch = self._overlong_filter(samples, batch)
         batch = batch.replace(staleness=torch.tensor([staleness(self.version, s.version_start) for s in samples]))
         if self.loss.needs_proximal:  # π_prox = the weights this step starts from (version V)
             batch = batch.replace(proximal_logprobs=self.policy.compute_logprobs(batch)[0] * batch.loss_mask)
@@ -340,6 +341,21 @@ class Controller:
             batch = batch.replace(
                 reference_logprobs=self.policy.compute_logprobs(batch, reference=True)[0] * batch.loss_mask)
         return batch
+
+    def _overlong_filter(self, samples: list, batch: TrainBatch) -> TrainBatch:
+        """rollout.overlong_filter: truncated responses leave the loss (rows of loss_mask zeroed). A
+        batch of only truncated responses is trained as is (nothing would be left) and counted."""
+        self._overlong = {"overlong_filtered": 0, "overlong_filter_skipped": 0}
+        if not self.cfg.rollout.overlong_filter:
+            return batch
+        cut = torch.tensor([s.finish_reason == "length" for s in samples])
+        if bool(cut.all()):
+            self._overlong["overlong_filter_skipped"] = 1
+            logger.warning("overlong filter: all %d responses of this batch are truncated; trained as they are",
+                           len(samples))
+            return batch
+        self._overlong["overlong_filtered"] = int(cut.sum())
+        return batch.replace(loss_mask=batch.loss_mask * (~cut).to(batch.loss_mask.dtype)[:, None])
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         if not self.mode.trains:
@@ -424,12 +440,20 @@ class Controller:
             "dropped_filtered": c.dropped_filtered, "reward_failed": c.dropped_failed,
             "time_rollout_wait": t_wait, "time_train": t_train, "time_step": t_step,
             "samples_per_s": len(samples) / max(t_step, 1e-9),
+            "overlong_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+            **getattr(self, "_overlong", {}),
         }
-        if batch.proximal_logprobs is not None and "train_infer_logprob_diff" not in sync_metrics:
+        if batch.proximal_logprobs is not None:
             fresh = (batch.staleness == 0).float()[:, None] * batch.loss_mask
             if fresh.sum() > 0:  # same policy version on both sides: pure train/inference mismatch
-                d = (batch.proximal_logprobs - batch.behavior_logprobs).abs() * fresh
-                m["train_infer_logprob_diff"] = float(d.sum() / fresh.sum())
+                delta = (batch.proximal_logprobs - batch.behavior_logprobs) * fresh  # log π_train − log μ_engine
+                if "train_infer_logprob_diff" not in sync_metrics:  # the probe's, when it ran, is logged
+                    m["train_infer_logprob_diff"] = float(delta.abs().sum() / fresh.sum())
+                # KL(μ‖π) by the k3 estimator on the engine's samples (r = π/μ): r − 1 − log r ≥ 0
+                k3 = (torch.exp(delta.clamp(-20, 20)) - 1 - delta) * fresh
+                m["mismatch_k3"] = float(k3.sum() / fresh.sum())
+                # log-perplexity of the sampled tokens, engine minus trainer
+                m["mismatch_log_ppl_gap"] = float(delta.sum() / fresh.sum())
         if self.runtime is not None:
             stats, engine = self.runtime.take_metrics()
             m.update(engine)
@@ -437,8 +461,13 @@ class Controller:
             m["rollout_resumes"] = stats.resumes
             m["engine_errors"] = stats.engine_errors
             m["groups_expired_in_flight"] = stats.groups_expired  # redundant surplus cancelled at a push
+            if self.cfg.rollout.overlong_buffer_len:
+                m["overlong_penalized"] = stats.overlong_penalized
+                m["overlong_penalty_mean"] = stats.overlong_penalty_sum / max(stats.overlong_penalized, 1)
         m.update(sync_metrics)
         m.setdefault("train_infer_logprob_diff", None)  # neither a probe nor fresh samples this step
+        m.setdefault("mismatch_k3", None)  # no fresh sample, or a loss without π_prox
+        m.setdefault("mismatch_log_ppl_gap", None)
         m.update(train_metrics)
         self.tracker.log(step, m)
         with open(os.path.join(self.run_dir, LEDGER), "a") as f:  # which prompts each step trained

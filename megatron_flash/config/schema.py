@@ -380,6 +380,14 @@ class RolloutConfig(_Section):
     max_resumes: int = 16
     """Times one response may be aborted by weight pushes (pause_mode=abort) and resumed from its
     prefix before the run stops with an error."""
+    overlong_buffer_len: int = 0
+    """DAPO's soft overlong penalty: a response longer than max_new_tokens − this loses
+    overlong_penalty × (its excess / this) of reward (all of it at max_new_tokens); 0 = off."""
+    overlong_penalty: float = 1.0
+    """The largest overlong penalty (subtracted from the reward of a response of max_new_tokens)."""
+    overlong_filter: bool = False
+    """DAPO's overlong filtering: truncated responses (finish_reason length) are kept out of the loss
+    (their rewards still count in their group's advantages)."""
 
     def validate(self) -> None:
         self._at_least("n_samples_per_prompt", 1)
@@ -397,6 +405,13 @@ class RolloutConfig(_Section):
         self._require(bool(self.reward), "reward", "must be a non-empty reward name")
         self._at_least("reward_workers", 0)
         self._at_least("max_resumes", 0)
+        self._at_least("overlong_buffer_len", 0)
+        self._require(self.overlong_buffer_len < self.max_new_tokens, "overlong_buffer_len",
+                      f"must be < max_new_tokens ({self.max_new_tokens})")
+        self._at_least("overlong_penalty", 0.0)
+        if self.overlong_penalty != 1.0 and not self.overlong_buffer_len:
+            raise ValueError(f"rollout.overlong_penalty={self.overlong_penalty} is only used with "
+                             "rollout.overlong_buffer_len > 0")
 
 
 @dataclass
@@ -750,6 +765,9 @@ class RunConfig:
                 "trainer.moe_routing_replay=rollout is not built for agentic episodes (agentic.env or workflow is set): "
                 "a multi-turn sample's observation tokens were never routed by the engine"
             )
+        if (rollout.overlong_buffer_len or rollout.overlong_filter) and (self.agentic.env or self.agentic.workflow):
+            raise ValueError("rollout.overlong_buffer_len / rollout.overlong_filter are not built for agentic "
+                             "episodes (agentic.env or workflow is set): an episode's length is not one response's")
         if self.checkpoint.save_hf_interval and not RUN_MODES[trainer.mode].trains:
             raise ValueError(f"checkpoint.save_hf_interval={self.checkpoint.save_hf_interval}: "
                              f"trainer.mode={trainer.mode} trains nothing to export")

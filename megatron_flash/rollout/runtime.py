@@ -195,7 +195,8 @@ class RolloutRuntime:
                     max_new_tokens=r.max_new_tokens, prompt_replication=r.prompt_replication,
                     replication_chunk=r.replication_chunk, max_resumes=r.max_resumes,
                     engine_down_deadline_s=self.engines_cfg.down_timeout_s,
-                    return_routed_experts=self.return_routed_experts)
+                    return_routed_experts=self.return_routed_experts, overlong_buffer_len=r.overlong_buffer_len,
+                    overlong_penalty=r.overlong_penalty)
                 self.scheduler = RolloutScheduler(
                     dataset=self.dataset, proxy=proxy, reward_pool=reward_pool, group_filter=group_filter,
                     buffer=self.buffer, staleness=self.staleness, settings=settings, decode=self.decode)

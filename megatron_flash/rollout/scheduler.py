@@ -58,6 +58,18 @@ class SchedulerSettings:
     """Stop the run when no request has succeeded for this long while requests keep failing."""
     return_routed_experts: bool = False
     """Ask the engines for the MoE experts of every token (routing replay); a reply without them stops the run."""
+    overlong_buffer_len: int = 0
+    overlong_penalty: float = 1.0
+    """DAPO's soft overlong penalty (see `overlong_penalty`)."""
+
+
+def overlong_penalty(length: int, *, max_new_tokens: int, buffer_len: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment, as a positive amount to subtract from the reward: 0 up to
+    max_new_tokens − buffer_len, then linear up to `penalty` at max_new_tokens."""
+    if buffer_len <= 0:
+        return 0.0
+    excess = length - (max_new_tokens - buffer_len)
+    return penalty * min(1.0, excess / buffer_len) if excess > 0 else 0.0
 
 
 @dataclasses.dataclass
@@ -74,6 +86,9 @@ class RolloutStats(Counters):
     groups_expired: int = 0
     """Surplus groups (redundant prompts) cancelled in flight because a push made them stale."""
     group_latency_s: float = 0.0
+    overlong_penalized: int = 0
+    """Responses whose reward lost an overlong penalty."""
+    overlong_penalty_sum: float = 0.0
 
 
 class RolloutScheduler:
@@ -367,8 +382,14 @@ class RolloutScheduler:
                                                prompt=prompt.text, meta=getattr(prompt, "meta", None))
         known = [v for v in versions if v is not None]
         token_versions = versions if len(known) == len(versions) and len(set(known)) > 1 else None
+        s = self.settings
+        penalty = overlong_penalty(len(ids), max_new_tokens=s.max_new_tokens, buffer_len=s.overlong_buffer_len,
+                                   penalty=s.overlong_penalty)
+        if penalty > 0:
+            self.stats.overlong_penalized += 1
+            self.stats.overlong_penalty_sum += penalty
         return Sample(prompt_ids=list(prompt.prompt_ids), response_ids=ids, behavior_logprobs=logprobs,
-                      reward=float(outcome.reward), group_id=group_id, finished=finished, version_start=version,
+                      reward=float(outcome.reward) - penalty, group_id=group_id, finished=finished, version_start=version,
                       version_end=max(known) if known else self.staleness.version, token_versions=token_versions,
                       prompt_index=getattr(prompt, "index", -1), finish_reason=finish,
                       reward_failed=bool(outcome.failed), num_resumes=resumes, routed_experts=routes)

@@ -141,7 +141,8 @@ class Harness:
 
 def start(*, alpha: int, batch: int, n: int, proxy: FakeProxy, extra: int = 0, stale_policy: str = "drop",
           replication: bool = True, group_filter=lambda r: True, rewards: Optional[Rewards] = None,
-          max_new_tokens: int = 6, chunk: int = 1, routes: bool = False) -> Harness:
+          max_new_tokens: int = 6, chunk: int = 1, routes: bool = False, overlong: tuple[int, float] = (0, 1.0)
+          ) -> Harness:
     m = StalenessManager(alpha=alpha, batch_size=batch, extra=extra * n)
     holder: dict[str, RolloutScheduler] = {}
     buf = SampleBuffer(m, stale_policy=stale_policy,
@@ -150,7 +151,8 @@ def start(*, alpha: int, batch: int, n: int, proxy: FakeProxy, extra: int = 0, s
                          buffer=buf, staleness=m,
                          settings=SchedulerSettings(n_samples_per_prompt=n, sampling_params={"temperature": 1.0},
                                                     max_new_tokens=max_new_tokens, prompt_replication=replication,
-                                                    replication_chunk=chunk, return_routed_experts=routes),
+                                                    replication_chunk=chunk, return_routed_experts=routes,
+                                                    overlong_buffer_len=overlong[0], overlong_penalty=overlong[1]),
                          decode=lambda ids: "".join(chr(97 + i % 26) for i in ids), poll_s=0.001)
     holder["s"] = s
     t = threading.Thread(target=lambda: asyncio.run(s.run()), daemon=True)
@@ -356,3 +358,26 @@ def test_an_engine_without_routes_stops_the_run_naming_it_and_the_flag() -> None
     h.scheduler.stop()
     h.thread.join(10)
     assert not h.thread.is_alive()
+
+
+@pytest.mark.parametrize("length, expected_penalty", [(2, 0.0), (4, 0.75), (5, 1.125), (6, 1.5)])
+def test_overlong_penalty_is_dapos_linear_ramp_over_the_buffer(length, expected_penalty) -> None:
+    """max_new_tokens 6, buffer 4, penalty 1.5: free up to 2 tokens, then 1.5 × (excess / 4)."""
+    h = start(alpha=0, batch=4, n=2, proxy=FakeProxy(lambda rid: 0.0, length=length), overlong=(4, 1.5))
+    taken = train(h, 2, batch=4, alpha=0)
+    samples = [s for gs in taken for g in gs for s in g.samples]
+    for s in samples:
+        text = "".join(chr(97 + i % 26) for i in s.response_ids)
+        assert len(s.response_ids) == length
+        assert s.reward == pytest.approx(float(sum(map(ord, text)) % 3) - expected_penalty)
+    assert h.scheduler.stats.overlong_penalized >= (len(samples) if expected_penalty else 0)
+    assert (h.scheduler.stats.overlong_penalized == 0) == (expected_penalty == 0)
+
+
+def test_overlong_penalty_function_hand_values() -> None:
+    from megatron_flash.rollout.scheduler import overlong_penalty
+
+    kw = dict(max_new_tokens=100, buffer_len=20, penalty=1.0)
+    assert overlong_penalty(80, **kw) == 0.0 and overlong_penalty(90, **kw) == 0.5
+    assert overlong_penalty(100, **kw) == 1.0 and overlong_penalty(81, **kw) == pytest.approx(0.05)
+    assert overlong_penalty(100, max_new_tokens=100, buffer_len=0, penalty=1.0) == 0.0

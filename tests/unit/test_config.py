@@ -402,6 +402,11 @@ def test_recipe_fields_are_refused_where_they_would_do_nothing() -> None:
         QUICKSTART, ["loss.aggregation=seq_mean_token_sum", "loss.aggregation_norm=16"])
     assert "checkpoint.save_hf_interval=5: trainer.mode=rollout_only trains nothing" in _error(
         QUICKSTART, ["trainer.mode=rollout_only", "checkpoint.save_hf_interval=5"])
+    assert "rollout.overlong_penalty=0.5 is only used with rollout.overlong_buffer_len > 0" in _error(
+        QUICKSTART, ["rollout.overlong_penalty=0.5"])
+    assert "rollout.overlong_buffer_len" in _error(QUICKSTART, ["rollout.overlong_buffer_len=8"])  # = max_new_tokens
+    assert "not built for agentic episodes" in _error(
+        REPO_ROOT / "configs" / "agentic_frozenlake_cpu.yaml", ["rollout.overlong_filter=true"])
     cfg = load_config(QUICKSTART, ["loss.name=gspo", "loss.aggregation=seq_mean_token_sum_norm",
                                    "loss.aggregation_norm=16", "checkpoint.save_hf_interval=5"])
     assert cfg.loss.aggregation_norm == 16 and cfg.checkpoint.save_hf_interval == 5

@@ -464,6 +464,7 @@ class Controller:
             if self.cfg.rollout.overlong_buffer_len:
                 m["overlong_penalized"] = stats.overlong_penalized
                 m["overlong_penalty_mean"] = stats.overlong_penalty_sum / max(stats.overlong_penalized, 1)
+        m.update(length_bias(samples, self.staleness.take_drop_lengths()))
         m.update(sync_metrics)
         m.setdefault("train_infer_logprob_diff", None)  # neither a probe nor fresh samples this step
         m.setdefault("mismatch_k3", None)  # no fresh sample, or a loss without π_prox
@@ -549,6 +550,22 @@ def _picklable(obj: Any) -> bool:
         return True
     except Exception:
         return False
+
+
+def length_bias(trained: list, dropped: dict[str, list[int]]) -> dict[str, Any]:
+    """Response lengths of what trained this step vs what staleness (`stale`) and the dynamic filter
+    (`filtered`) dropped since the last step: mean, p90 and count each (None where nothing). Long
+    rollouts starved by the α bound show as a stale mean far above the trained one."""
+    def stats(name: str, lengths: list[int]) -> dict[str, Any]:
+        ordered = sorted(lengths)
+        return {f"len_{name}_mean": sum(ordered) / len(ordered) if ordered else None,
+                f"len_{name}_p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] if ordered else None,
+                f"len_{name}_n": len(ordered)}
+
+    out = stats("trained", [len(s.response_ids) for s in trained])
+    out.update(stats("dropped_stale", dropped.get("stale", [])))
+    out.update(stats("dropped_filtered", dropped.get("filtered", [])))
+    return out
 
 
 def _loss_fns(loss_cfg: Any, loss: Any, max_new_tokens: int) -> tuple[Any, Any]:

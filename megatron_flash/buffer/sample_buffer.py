@@ -91,7 +91,8 @@ class SampleBuffer:
             (keep if is_trainable(version, g.version_start, alpha) else evicted).append(g)
         self._groups = keep
         for g in evicted:
-            self.staleness.on_drop(len(g), reason="regenerated" if self.stale_policy == "regenerate" else "stale")
+            self.staleness.on_drop(len(g), reason="regenerated" if self.stale_policy == "regenerate" else "stale",
+                                   lengths=[len(s.response_ids) for s in g.samples])
             if self.on_evict is not None:
                 self.on_evict(g)
         return sum(len(g) for g in evicted)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import Sequence
 
 
 def staleness(version: int, version_start: int) -> int:
@@ -88,6 +89,7 @@ class StalenessManager:
         self._lock = threading.Lock()
         self._version = 0
         self._in_flight: dict[int, int] = {}  # start version → samples admitted, not yet landed
+        self._drop_lengths: dict[str, list[int]] = {}
 
     @property
     def version(self) -> int:
@@ -136,16 +138,27 @@ class StalenessManager:
             self.counters.outstanding -= num_samples
             assert self.counters.outstanding >= 0, self.counters
 
-    def on_drop(self, num_samples: int, *, reason: str) -> None:
+    def on_drop(self, num_samples: int, *, reason: str, lengths: Sequence[int] = ()) -> None:
         """reason: stale | regenerated (stale, prompt re-queued) | filtered (no learning signal) |
         failed (a reward raised) | error (engines failed the request; prompt re-queued) |
-        cancelled (in flight when the run stopped)."""
+        cancelled (in flight when the run stopped). `lengths`: the dropped responses' lengths, when
+        they finished (kept for `take_drop_lengths`)."""
         field = {"stale": "dropped_stale", "regenerated": "regenerated_stale", "filtered": "dropped_filtered",
                  "failed": "dropped_failed", "error": "dropped_error", "cancelled": "cancelled"}[reason]
         with self._lock:
             self.counters.outstanding -= num_samples
             setattr(self.counters, field, getattr(self.counters, field) + num_samples)
             assert self.counters.outstanding >= 0, self.counters
+            if lengths:
+                key = "stale" if reason in ("stale", "regenerated") else reason
+                self._drop_lengths.setdefault(key, []).extend(lengths)
+
+    def take_drop_lengths(self) -> dict[str, list[int]]:
+        """Response lengths of finished samples dropped since the last call, by reason (stale covers
+        regenerated): what staleness and filtering took away, to compare with what trained."""
+        with self._lock:
+            out, self._drop_lengths = self._drop_lengths, {}
+        return out
 
     def restore(self, *, version: int, consumed: int) -> None:
         """Resume: the trainer had consumed `consumed` samples at `version`; nothing is in flight."""

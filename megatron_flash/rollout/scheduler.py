@@ -282,7 +282,7 @@ class RolloutScheduler:
         self.stats.group_latency_s += group.time_finished - t0
         if not self.group_filter(group.rewards):
             self.stats.groups_filtered += 1
-            self.staleness.on_drop(n, reason="filtered")
+            self.staleness.on_drop(n, reason="filtered", lengths=[len(s.response_ids) for s in samples])
             return
         if self.on_group is not None:
             self.on_group(group)

@@ -262,6 +262,21 @@ def test_filter_and_failed_rewards_are_dropped_counted_and_refilled() -> None:
     c = h.staleness.counters
     assert c.dropped_filtered > 0 and c.dropped_failed > 0
     assert c.consumed == 40
+    lengths = h.staleness.take_drop_lengths()  # length-bias diagnostics: what the filter took away
+    assert lengths["filtered"] == [6] * c.dropped_filtered and "failed" not in lengths
+    assert h.staleness.take_drop_lengths() == {}  # a window: taken once
+
+
+def test_length_bias_metrics_hand_values() -> None:
+    from types import SimpleNamespace
+
+    from megatron_flash.controller import length_bias
+
+    trained = [SimpleNamespace(response_ids=[0] * n) for n in (2, 4, 6, 8, 10)]
+    m = length_bias(trained, {"stale": [30, 10, 20]})
+    assert m["len_trained_mean"] == 6 and m["len_trained_p90"] == 10 and m["len_trained_n"] == 5
+    assert m["len_dropped_stale_mean"] == 20 and m["len_dropped_stale_p90"] == 30 and m["len_dropped_stale_n"] == 3
+    assert m["len_dropped_filtered_mean"] is None and m["len_dropped_filtered_n"] == 0
 
 
 def test_engine_error_requeues_the_prompt() -> None:

@@ -79,6 +79,8 @@ class Controller:
         self._ctrl_group: Any = None
         self._totals: dict[str, float] = {}
         self._release_metrics: dict[str, float] = {}
+        self.eval_sets: list = []  # rank 0: the held-out sets of eval.datasets
+        self._evaluated_at: Optional[int] = None
 
     # ================================================================== the loop (one screen)
     def run(self) -> dict[str, Any]:
@@ -95,11 +97,14 @@ class Controller:
                 train_metrics = self.train(batch)                         # epochs × mini-batches
                 t_train = time.monotonic() - t0 - t_wait
                 sync_metrics = self.push_weights()                        # pause → send → resume; V += 1
+                self.maybe_evaluate(step + 1)                             # held-out sets, at version V
                 summary = self.log(step, groups, batch, train_metrics, sync_metrics,
                                    t_wait=t_wait, t_train=t_train, t_step=time.monotonic() - t0)
                 if self.maybe_checkpoint(step):                           # every N steps; SIGTERM: save, stop
                     self.preempted = True
                     break
+            else:
+                self.maybe_evaluate(self.cfg.trainer.total_steps, final=True)
         except BaseException as e:
             error = e
             raise
@@ -161,6 +166,7 @@ class Controller:
             if restore is not None:
                 self.buffer.restore(restore["buffer"])
             self.runtime.start_rollout(restore=restore)
+        self.maybe_evaluate(self.start_step)  # before training (or where a resumed run starts)
         _install_sigterm_flag()  # after the launcher's own handler, which it chains to on a second signal
 
     # ================================================================== checkpoints
@@ -206,6 +212,35 @@ class Controller:
                 logger.info("checkpoint %s (%.2f s)%s", path, time.monotonic() - t0,
                             "; stopping on SIGTERM" if stop else "")
         return stop
+
+    def maybe_evaluate(self, steps_done: int, *, final: bool = False) -> None:
+        """Rank 0: evaluate the held-out sets at the engines' version when due (see eval.*). It runs
+        between two pushes — this thread alone pushes, and waits — so every evaluation request is
+        served at that one version; the other ranks wait at their next collective."""
+        e = self.cfg.eval
+        if self.rank != 0 or not self.eval_sets or self._evaluated_at == steps_done:
+            return
+        due = steps_done == self.start_step or final or (e.every_steps and steps_done % e.every_steps == 0)
+        if not due:
+            return
+        from megatron_flash.rollout.evaluation import EvalSettings
+
+        settings = EvalSettings(n_samples=e.n_samples, max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
+                                temperature=e.temperature, correct_threshold=e.correct_threshold,
+                                version=str(self.version) if self.version > 0 else None)
+        t0 = time.monotonic()
+        metrics, records = self.runtime.evaluate(self.eval_sets, settings)
+        self._evaluated_at = steps_done
+        row = {"step": steps_done, "version": self.version, "seconds": time.monotonic() - t0, **metrics}
+        with open(os.path.join(self.run_dir, "eval.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+        with open(os.path.join(self.run_dir, "eval_samples.jsonl"), "a") as f:
+            for r in records:
+                f.write(json.dumps({"step": steps_done, "version": self.version, **r}) + "\n")
+        self.tracker.log_side(steps_done, metrics)
+        logger.info("evaluation at version %d: %s", self.version,
+                    ", ".join(f"{k.removeprefix('eval/')}={v:.3f}" for k, v in metrics.items()
+                              if "mean@" in k or "pass@1" in k))
 
     def hf_dir(self) -> str:
         return os.path.join(self.cfg.checkpoint.save_dir or self.run_dir, "hf")
@@ -262,6 +297,10 @@ class Controller:
                                       tokenizer=self.tokenizer, dump_groups=self.mode.dumps_groups,
                                       group_runner_factory=runner_factory,
                                       return_routed_experts=cfg.trainer.moe_routing_replay == "rollout")
+        if cfg.eval.datasets:  # loaded (and checked) before any engine starts
+            from megatron_flash.rollout.evaluation import load_eval_sets
+
+            self.eval_sets = load_eval_sets(cfg.eval, self.tokenizer, seed=cfg.trainer.seed)
         urls = self.runtime.start_engines()
         logger.info("engines up: %s", urls)
         return urls

@@ -131,6 +131,23 @@ class Tracker:
                      if name.rsplit("/", 1)[-1] in CONSOLE_KEYS}
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=True)
 
+    def log_side(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Metrics recorded in their own file by the caller (evaluation): TensorBoard and W&B only."""
+        if not self.active or self._closed:
+            return
+        finite = {name: v for name, v in ((n, _scalar(n, x)) for n, x in metrics.items()) if v is not None}
+        if self._tensorboard is not None:
+            for name, value in finite.items():
+                self._tensorboard.add_scalar(name, value, global_step=step)
+            self._tensorboard.flush()
+        if self._wandb_run is not None:
+            try:
+                self._wandb_run.log(finite, step=step)
+            except Exception as error:
+                _warn_once("wandb.log", f"W&B log failed ({type(error).__name__}: {error}); "
+                                        "continuing with W&B disabled (logging.wandb_mode)")
+                self._wandb_run = None
+
     def _advance_bar(self, step: int) -> None:
         if self._bar is not None and step > self._bar.n:
             self._bar.update(step - self._bar.n)

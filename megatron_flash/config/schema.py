@@ -659,6 +659,48 @@ class DataConfig(_Section):
 
 
 @dataclass
+class EvalConfig(_Section):
+    _section: ClassVar[str] = "eval"
+
+    datasets: Dict[str, Any] = field(default_factory=dict)
+    """Held-out sets by name, each a mapping of `data` fields (path, prompt_key, answer_key, task,
+    num_samples, apply_chat_template, max_prompt_len); empty = no evaluation. Synthetic tasks are
+    drawn with another seed than training's."""
+    every_steps: int = 0
+    """Evaluate after every this many steps; always at step 0 (before training) and after the last."""
+    n_samples: int = 4
+    """Responses per prompt: mean@n and the unbiased pass@k for k = 1, 2, 4, …, n."""
+    max_new_tokens: int = 0
+    """Longest evaluation response; 0 = rollout.max_new_tokens."""
+    temperature: float = 1.0
+    """Sampling temperature of evaluation requests."""
+    correct_threshold: float = 1.0
+    """A response counts as correct (pass@k) when its reward is at least this."""
+
+    def validate(self) -> None:
+        if not isinstance(self.datasets, dict):
+            raise ValueError(f"eval.datasets must be a mapping of name → data fields, got {type(self.datasets).__name__}")
+        allowed = ("path", "prompt_key", "answer_key", "task", "num_samples", "apply_chat_template", "max_prompt_len")
+        for name, spec in self.datasets.items():
+            if not isinstance(spec, dict):
+                raise ValueError(f"eval.datasets.{name} must be a mapping of data fields ({', '.join(allowed)})")
+            unknown = sorted(set(spec) - set(allowed))
+            if unknown:
+                raise ValueError(f"eval.datasets.{name}.{unknown[0]} is not a data field ({', '.join(allowed)})")
+            if not spec.get("path") and not spec.get("task"):
+                raise ValueError(f"eval.datasets.{name} needs a path or a task")
+            DataConfig(**spec).validate()
+        self._at_least("every_steps", 0)
+        self._at_least("n_samples", 1)
+        self._at_least("max_new_tokens", 0)
+        self._positive("temperature")
+        if not self.datasets:
+            changed = [f.name for f in fields(self) if f.name != "datasets" and getattr(self, f.name) != f.default]
+            if changed:
+                raise ValueError(f"eval.{changed[0]} is set but eval.datasets is empty (nothing to evaluate)")
+
+
+@dataclass
 class LoggingConfig(_Section):
     _section: ClassVar[str] = "logging"
 
@@ -734,6 +776,8 @@ class RunConfig:
     """Metrics and run directory."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing and final export."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Periodic evaluation on held-out sets (mean@k, pass@k), pinned to one weight version."""
 
     def sections(self) -> Dict[str, _Section]:
         """Section name → section object, in declaration order."""
@@ -768,6 +812,9 @@ class RunConfig:
         if (rollout.overlong_buffer_len or rollout.overlong_filter) and (self.agentic.env or self.agentic.workflow):
             raise ValueError("rollout.overlong_buffer_len / rollout.overlong_filter are not built for agentic "
                              "episodes (agentic.env or workflow is set): an episode's length is not one response's")
+        if self.eval.datasets and (trainer.mode != "full" or self.agentic.env or self.agentic.workflow):
+            raise ValueError("eval.datasets: evaluation runs in trainer.mode=full single-turn runs "
+                             "(launch/evaluate.py evaluates any checkpoint on its own)")
         if self.checkpoint.save_hf_interval and not RUN_MODES[trainer.mode].trains:
             raise ValueError(f"checkpoint.save_hf_interval={self.checkpoint.save_hf_interval}: "
                              f"trainer.mode={trainer.mode} trains nothing to export")

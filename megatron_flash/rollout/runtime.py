@@ -119,6 +119,7 @@ class RolloutRuntime:
         self._thread: Optional[threading.Thread] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._proxy: Any = None
+        self._reward_pool: Any = None
         self._ready = threading.Event()
         self._error: Optional[BaseException] = None
         self._restore: Optional[dict[str, Any]] = None
@@ -186,6 +187,7 @@ class RolloutRuntime:
         r = self.rollout_cfg
         self._loop = asyncio.get_running_loop()
         reward_pool = RewardPool(r.reward, num_workers=r.reward_workers)
+        self._reward_pool = reward_pool
         try:
             group_filter = get_filter(r.dynamic_filter)
             async with LLMProxy.from_config(self.engines_cfg, self.urls) as proxy:
@@ -232,6 +234,16 @@ class RolloutRuntime:
             return {"scheduler": self.scheduler.snapshot(), "buffer": self.buffer.snapshot()}
 
         return asyncio.run_coroutine_threadsafe(snap(), self._loop).result(timeout=60)
+
+    def evaluate(self, sets: Any, settings: Any) -> tuple[dict[str, float], list[dict]]:
+        """Held-out evaluation on the rollout loop, beside the rollout (same proxy, same reward pool);
+        blocks the caller until done (rollout/evaluation.py)."""
+        from megatron_flash.rollout.evaluation import evaluate
+
+        if self._loop is None or self._proxy is None or not self._loop.is_running():
+            raise RuntimeError("evaluation needs the rollout loop running (start_rollout first)")
+        return asyncio.run_coroutine_threadsafe(
+            evaluate(self._proxy, sets, self._reward_pool, self.decode, settings), self._loop).result()
 
     def requeue(self, group: Group) -> None:
         if self.scheduler is not None:

@@ -167,6 +167,37 @@ def test_engines_down_stops_with_a_clear_error_and_saves(tiny_models, tmp_path) 
     print(f"stopped {took:.1f} s after the engine died; saved {saved}; last error line: {err.strip().splitlines()[-1]}")
 
 
+def test_evaluation_is_pinned_to_one_version_and_runs_standalone(tiny_models, tmp_path) -> None:
+    """α = 2, rollout running beside: evaluations at steps 0, 2, 4 each see exactly the version the
+    trainer had pushed (every reply checked), never an aborted request; then launch/evaluate.py scores
+    the final checkpoint the same way on its own."""
+    run_dir = str(tmp_path / "eval")
+    evals = ["eval.datasets={sort4: {task: sort4, num_samples: 6}}", "eval.every_steps=2", "eval.n_samples=4"]
+    run(small_run(tiny_models["llama"], run_dir, "async_rl.alpha=2", *evals), timeout=600)
+    with open(os.path.join(run_dir, "eval.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [(r["step"], r["version"]) for r in rows] == [(0, 0), (2, 2), (4, 4)]
+    for r in rows:
+        assert r["eval/sort4/off_version"] == 0 and r["eval/sort4/aborted"] == 0, r
+        assert r["eval/sort4/num_prompts"] == 6 and 0 <= r["eval/sort4/pass@1"] <= r["eval/sort4/pass@4"] <= 1
+    with open(os.path.join(run_dir, "eval_samples.jsonl")) as f:
+        samples = [json.loads(line) for line in f]
+    assert len(samples) == 3 * 6 * 4
+    # the engines' start label before the first push, then the pushed version, on every reply
+    assert all(s["weight_version"] == (str(s["version"]) if s["version"] else "default") for s in samples)
+    # pass@1 recomputed from the samples (reward 1 = correct for sort4's exact match)
+    first = [s for s in samples if s["step"] == 0]
+    assert rows[0]["eval/sort4/pass@1"] == pytest.approx(sum(s["reward"] >= 1 for s in first) / len(first))
+
+    out = str(tmp_path / "standalone")
+    proc = run(["launch/evaluate.py", "--config", "configs/quickstart_cpu.yaml",
+                f"model.hf_path={os.path.join(run_dir, 'final_hf')}", f"logging.dir={out}",
+                f"engines.base_port={free_ports(1)}", "logging.wandb_mode=disabled", *evals], timeout=300)
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["eval/sort4/num_prompts"] == 6 and row["eval/sort4/off_version"] == 0
+    assert os.path.isfile(os.path.join(out, "eval.jsonl"))
+
+
 def test_reference_kl_penalty_is_applied(tiny_models, tmp_path) -> None:
     run_dir = str(tmp_path / "kl")
     run(small_run(tiny_models["llama"], run_dir, "loss.kl_coef=0.1", "trainer.total_steps=3", "async_rl.alpha=0"),

@@ -410,3 +410,12 @@ def test_recipe_fields_are_refused_where_they_would_do_nothing() -> None:
     cfg = load_config(QUICKSTART, ["loss.name=gspo", "loss.aggregation=seq_mean_token_sum_norm",
                                    "loss.aggregation_norm=16", "checkpoint.save_hf_interval=5"])
     assert cfg.loss.aggregation_norm == 16 and cfg.checkpoint.save_hf_interval == 5
+
+
+def test_eval_section_refuses_what_it_cannot_use() -> None:
+    assert "eval.every_steps is set but eval.datasets is empty" in _error(QUICKSTART, ["eval.every_steps=5"])
+    assert "eval.datasets.held.split is not a data field" in _error(
+        QUICKSTART, ["eval.datasets={held: {task: sort4, split: test}}"])
+    assert "eval.datasets.held needs a path or a task" in _error(QUICKSTART, ["eval.datasets={held: {num_samples: 4}}"])
+    assert "evaluation runs in trainer.mode=full" in _error(
+        QUICKSTART, ["eval.datasets={held: {task: sort4}}", "trainer.mode=rollout_only"])

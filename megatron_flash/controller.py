@@ -467,6 +467,7 @@ class Controller:
         if self.rank != 0:
             return {}
         samples = [s for g in groups for s in g.samples]
+        histograms: dict[str, Any] = {}
         lags = [self.version - 1 - s.version_start for s in samples]
         c = self.staleness.counters
         m: dict[str, Any] = {
@@ -493,6 +494,9 @@ class Controller:
                 m["mismatch_k3"] = float(k3.sum() / fresh.sum())
                 # log-perplexity of the sampled tokens, engine minus trainer
                 m["mismatch_log_ppl_gap"] = float(delta.sum() / fresh.sum())
+                per_seq = delta.sum(-1) / fresh.sum(-1).clamp(min=1)
+                histograms = {"mismatch/token_log_ratio": delta[fresh > 0],
+                              "mismatch/seq_mean_log_ratio": per_seq[fresh.sum(-1) > 0]}
         if self.runtime is not None:
             stats, engine = self.runtime.take_metrics()
             m.update(engine)
@@ -510,6 +514,8 @@ class Controller:
         m.setdefault("mismatch_log_ppl_gap", None)
         m.update(train_metrics)
         self.tracker.log(step, m)
+        histograms["length/trained"] = [len(s.response_ids) for s in samples]
+        self.tracker.log_histograms(step, histograms)
         with open(os.path.join(self.run_dir, LEDGER), "a") as f:  # which prompts each step trained
             f.write(json.dumps({"step": step, "version": self.version,
                                 "prompt_indices": sorted(g.prompt_index for g in groups)}) + "\n")

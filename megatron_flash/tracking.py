@@ -148,6 +148,30 @@ class Tracker:
                                         "continuing with W&B disabled (logging.wandb_mode)")
                 self._wandb_run = None
 
+    def log_histograms(self, step: int, values: Mapping[str, Any]) -> None:
+        """Distributions (name → 1-D tensor or list of floats) to TensorBoard and W&B on logged steps;
+        metrics.jsonl keeps scalars only."""
+        if not self.active or self._closed or (step % self.log_interval != 0 and step != self.total_steps):
+            return
+        import torch
+
+        values = {n: torch.as_tensor(v, dtype=torch.float32).flatten() for n, v in values.items()}
+        values = {n: v[torch.isfinite(v)] for n, v in values.items()}
+        values = {n: v for n, v in values.items() if v.numel()}
+        if self._tensorboard is not None and values:
+            for name, v in values.items():
+                self._tensorboard.add_histogram(name, v, global_step=step)
+            self._tensorboard.flush()
+        if self._wandb_run is not None and values:
+            try:
+                import wandb
+
+                self._wandb_run.log({n: wandb.Histogram(v.numpy()) for n, v in values.items()}, step=step)
+            except Exception as error:
+                _warn_once("wandb.log", f"W&B log failed ({type(error).__name__}: {error}); "
+                                        "continuing with W&B disabled (logging.wandb_mode)")
+                self._wandb_run = None
+
     def _advance_bar(self, step: int) -> None:
         if self._bar is not None and step > self._bar.n:
             self._bar.update(step - self._bar.n)

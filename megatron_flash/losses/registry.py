@@ -217,9 +217,12 @@ def _shared_metrics(
     dtype = batch.logprobs.dtype
     log_ratio = batch.logprobs.detach() - batch.behavior_logprobs
     clamped = clamped_log_ratio(batch.logprobs.detach(), batch.behavior_logprobs)
+    sequences = mask.any(dim=-1)
+    hit = (mask & ~effective).any(dim=-1)  # a sequence that lost at least one token to mismatch masking
     return {
         "dropped_frac": masked_frac(~trained, mask, dtype),
         "mismatch_dropped_frac": masked_frac(~effective, mask, dtype),
+        "mismatch_dropped_seq_frac": (hit & sequences).sum().to(dtype) / sequences.sum().clamp(min=1).to(dtype),
         "loss_dropped_frac": masked_frac(effective & ~trained, mask, dtype),
         # k3 estimate of KL(μ‖π_θ) from tokens sampled by μ: (r − 1) − log r, r = π_θ/μ.
         "approx_kl": masked_mean(torch.exp(clamped) - 1.0 - clamped, trained),

@@ -99,6 +99,8 @@ def test_values_and_gradients_match_reference(name, params, seed, with_proximal)
     assert metrics["num_trained_tokens"].item() == num_trained
     assert metrics["dropped_frac"].item() == pytest.approx((num_masked - num_trained) / num_masked)
     assert metrics["mismatch_dropped_frac"].item() == pytest.approx(counts["mismatch_dropped"] / num_masked)
+    if counts["mismatch_dropped"] == 0:
+        assert metrics["mismatch_dropped_seq_frac"].item() == 0.0
     assert metrics["loss_dropped_frac"].item() == pytest.approx(counts["cap_dropped"] / num_masked)
     if num_trained:
         assert metrics["is_weight_mean"].item() == pytest.approx(counts["w_mean"], rel=1e-10)
@@ -236,6 +238,8 @@ def test_mismatch_mask_drops_the_right_tokens(mode, expected_kept):
     assert ((loss != 0) == kept).all()
     num_dropped = int(mask.sum() - kept.sum())
     assert metrics["mismatch_dropped_frac"].item() == pytest.approx(num_dropped / 9)
+    # sequences that lost a token: token mode rows 0 and 2, sequence mode row 0 (of 3)
+    assert metrics["mismatch_dropped_seq_frac"].item() == pytest.approx((2 if mode == "token" else 1) / 3)
     # Without proximal logprobs there is nothing to compare: nothing dropped.
     loss, metrics = loss_fn(logprobs=logprobs, behavior_logprobs=behavior,
                             advantages=torch.ones(3, 4, dtype=torch.float64), loss_mask=mask)

@@ -76,6 +76,22 @@ def test_tensorboard_scalars_read_back(tmp_path) -> None:
     assert [line["step"] for line in read_jsonl(str(tmp_path / "metrics.jsonl"))] == [1, 2, 3, 4, 5]
 
 
+def test_histograms_and_side_metrics_read_back_and_stay_out_of_the_jsonl(tmp_path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with Tracker(str(tmp_path), cfg(tensorboard=True), total_steps=3) as tracker:
+        tracker.log(0, {"loss": 1.0})
+        tracker.log_histograms(0, {"mismatch/token_log_ratio": [0.1, -0.2, 0.3, float("nan")], "empty": []})
+        tracker.log_side(0, {"eval/sort4/pass@1": 0.5})
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"histograms": 0})
+    events.Reload()
+    assert events.Tags()["histograms"] == ["mismatch/token_log_ratio"]  # NaN dropped, empty skipped
+    hist = events.Histograms("mismatch/token_log_ratio")[0].histogram_value
+    assert hist.num == 3 and hist.min == pytest.approx(-0.2) and hist.max == pytest.approx(0.3)
+    assert [e.value for e in events.Scalars("eval/sort4/pass@1")] == [0.5]
+    assert read_jsonl(str(tmp_path / "metrics.jsonl")) == [{"step": 0, "loss": 1.0}]
+
+
 def test_missing_tensorboard_warns_once_and_continues(tmp_path, monkeypatch, caplog) -> None:
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import now raises ImportError
     with caplog.at_level(logging.WARNING):

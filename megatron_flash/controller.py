@@ -503,6 +503,7 @@ class Controller:
             m["tokens_per_s"] = stats.tokens_generated / max(t_step, 1e-9)
             m["rollout_resumes"] = stats.resumes
             m["engine_errors"] = stats.engine_errors
+            m["skipped_prompts"] = stats.skipped_prompts  # refused by an engine (4xx), never retried
             m["groups_expired_in_flight"] = stats.groups_expired  # redundant surplus cancelled at a push
             if self.cfg.rollout.overlong_buffer_len:
                 m["overlong_penalized"] = stats.overlong_penalized

@@ -75,6 +75,8 @@ class StalenessCounters:
     dropped_failed: int = 0
     dropped_error: int = 0
     cancelled: int = 0
+    skipped: int = 0
+    """Samples of prompts an engine refused (HTTP 4xx), never retried."""
 
 
 class StalenessManager:
@@ -141,10 +143,11 @@ class StalenessManager:
     def on_drop(self, num_samples: int, *, reason: str, lengths: Sequence[int] = ()) -> None:
         """reason: stale | regenerated (stale, prompt re-queued) | filtered (no learning signal) |
         failed (a reward raised) | error (engines failed the request; prompt re-queued) |
-        cancelled (in flight when the run stopped). `lengths`: the dropped responses' lengths, when
+        cancelled (in flight when the run stopped) | skipped (an engine refused the prompt). `lengths`: the dropped responses' lengths, when
         they finished (kept for `take_drop_lengths`)."""
         field = {"stale": "dropped_stale", "regenerated": "regenerated_stale", "filtered": "dropped_filtered",
-                 "failed": "dropped_failed", "error": "dropped_error", "cancelled": "cancelled"}[reason]
+                 "failed": "dropped_failed", "error": "dropped_error", "cancelled": "cancelled",
+                 "skipped": "skipped"}[reason]
         with self._lock:
             self.counters.outstanding -= num_samples
             setattr(self.counters, field, getattr(self.counters, field) + num_samples)

@@ -41,6 +41,20 @@ from megatron_flash.types import Group, Sample
 logger = logging.getLogger(__name__)
 
 
+def deterministic_refusal(error: BaseException) -> Optional[BaseException]:
+    """The engine's HTTP 4xx refusal behind `error` (prompt too long, bad sampling parameters, an
+    unknown field): the same request is refused again anywhere. 408 and 429 are transient."""
+    from megatron_flash.engines.client import EngineHTTPError
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, EngineHTTPError) and 400 <= error.status < 500 and error.status not in (408, 429):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
 class RolloutError(RuntimeError):
     """The rollout side cannot go on (engines down past the deadline, a resume loop, ...)."""
 
@@ -86,6 +100,8 @@ class RolloutStats(Counters):
     groups_expired: int = 0
     """Surplus groups (redundant prompts) cancelled in flight because a push made them stale."""
     group_latency_s: float = 0.0
+    skipped_prompts: int = 0
+    """Prompts an engine refused deterministically (HTTP 4xx: too long, bad parameters): never retried."""
     overlong_penalized: int = 0
     """Responses whose reward lost an overlong penalty."""
     overlong_penalty_sum: float = 0.0
@@ -103,6 +119,7 @@ class RolloutScheduler:
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
         self._next_group_id = 0
+        self._refused: dict[Any, tuple[int, str]] = {}  # prompt index → (its length, the engine's refusal)
         self._last_success = time.monotonic()
         self._failing_since: Optional[float] = None
         self._fatal: Optional[BaseException] = None
@@ -157,7 +174,7 @@ class RolloutScheduler:
                     except asyncio.TimeoutError:
                         pass
                     continue
-                prompt = self._requeued.popleft() if self._requeued else self.dataset.next_prompt()
+                prompt = self._next_prompt()
                 group_id = self._next_group_id
                 self._next_group_id += 1
                 self._inflight[group_id] = prompt
@@ -258,6 +275,10 @@ class RolloutScheduler:
             if isinstance(e, GroupDropped):  # its samples could not finish (counted there): no retry
                 self.staleness.on_drop(n, reason="error")
                 return
+            refusal = deterministic_refusal(e)
+            if refusal is not None and not self._stopping:  # asking again gets the same answer
+                self._skip(prompt, n, refusal)
+                return
             self.stats.engine_errors += 1
             self.staleness.on_drop(n, reason="cancelled" if self._stopping else "error")
             if not self._stopping:
@@ -287,6 +308,37 @@ class RolloutScheduler:
         if self.on_group is not None:
             self.on_group(group)
         self.buffer.put(group)
+
+    def _next_prompt(self) -> Any:
+        if self._requeued:
+            return self._requeued.popleft()
+        for _ in range(max(1, self._dataset_size())):
+            prompt = self.dataset.next_prompt()
+            if getattr(prompt, "index", None) not in self._refused:
+                return prompt
+        raise self._all_refused()
+
+    def _dataset_size(self) -> int:
+        """Prompts per epoch; an endless source (no len) never runs out of prompts to try."""
+        try:
+            return len(self.dataset)
+        except TypeError:
+            return 1 << 62
+
+    def _skip(self, prompt: Any, n: int, refusal: BaseException) -> None:
+        index = getattr(prompt, "index", "?")
+        self.stats.skipped_prompts += 1
+        self.staleness.on_drop(n, reason="skipped")
+        self._refused[index] = (len(getattr(prompt, "prompt_ids", ())), str(refusal))
+        logger.warning("prompt %s (%d tokens) skipped: the engine refused it: %s", index,
+                       self._refused[index][0], refusal)
+        if len(self._refused) >= self._dataset_size() and self._fatal is None:
+            self._fatal = self._all_refused()
+
+    def _all_refused(self) -> RolloutError:
+        index, (length, why) = next(iter(self._refused.items()))
+        return RolloutError(f"every prompt of the dataset ({self._dataset_size()}) was refused by the engines, so no "
+                            f"step can be filled; e.g. prompt {index} ({length} tokens): {why}")
 
     def _note_failure(self, error: BaseException) -> None:
         now = time.monotonic()

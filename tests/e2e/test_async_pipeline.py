@@ -198,6 +198,25 @@ def test_evaluation_is_pinned_to_one_version_and_runs_standalone(tiny_models, tm
     assert os.path.isfile(os.path.join(out, "eval.jsonl"))
 
 
+def test_a_prompt_longer_than_the_engine_context_is_skipped_not_retried(tiny_models, tmp_path) -> None:
+    """A user's first run: a four-row file, one prompt longer than the engine's context. The engine
+    answers 400 (a deterministic refusal): the prompt is skipped and counted once per epoch, the run
+    trains on the other three and finishes (it used to re-queue the prompt forever)."""
+    data = tmp_path / "rows.jsonl"
+    rows = [{"question": "1 2 3", "answer": "123"}, {"question": "4 5", "answer": "45"},
+            {"question": " ".join(["7"] * 200), "answer": "7"}, {"question": "8 9", "answer": "89"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = str(tmp_path / "long")
+    run(small_run(tiny_models["llama"], run_dir, f"data.path={data}", "data.task=", "data.prompt_key=question",
+                  "trainer.total_steps=3", "trainer.max_seq_len=64", "engines.server_args.num_blocks=3",
+                  "engines.server_args.page_size=16"), timeout=600)
+    m = metrics(run_dir)
+    assert len(m) == 3 and sum(r["skipped_prompts"] for r in m) >= 1
+    with open(os.path.join(run_dir, "trained_prompts.jsonl")) as f:
+        trained = [i for line in f for i in json.loads(line)["prompt_indices"]]
+    assert 2 not in trained and set(trained) <= {0, 1, 3}
+
+
 def test_reference_kl_penalty_is_applied(tiny_models, tmp_path) -> None:
     run_dir = str(tmp_path / "kl")
     run(small_run(tiny_models["llama"], run_dir, "loss.kl_coef=0.1", "trainer.total_steps=3", "async_rl.alpha=0"),

@@ -65,8 +65,10 @@ class FakeProxy:
     """generate() takes `latency(rid)` seconds; push(version, abort=True) ends in-flight requests
     with their partial output (pause mode abort) and switches the weights."""
 
-    def __init__(self, latency, *, length: int = 6, fail_rids: tuple[str, ...] = (), routes: bool = False) -> None:
+    def __init__(self, latency, *, length: int = 6, fail_rids: tuple[str, ...] = (), routes: bool = False,
+                 context: int = 0) -> None:
         self.latency, self.length, self.fail_rids = latency, length, set(fail_rids)
+        self.context = context  # > 0: refuse (HTTP 400) a prompt longer than this, as an engine does
         self.routes = routes  # answer return_routed_experts (a MoE engine that records routes)
         self.version = 0
         self.inflight: dict[str, asyncio.Event] = {}
@@ -81,6 +83,11 @@ class FakeProxy:
         if rid in self.fail_rids:
             self.fail_rids.discard(rid)
             raise ConnectionError(f"engine lost {rid}")
+        if self.context and input_ids[1] > self.context:  # the fake's "prompt length": its second id
+            from megatron_flash.engines.client import EngineHTTPError
+
+            raise EngineHTTPError("http://fake:1", "/generate", 400,
+                                  f'{{"error": {{"message": "input is longer than the context ({self.context})"}}}}')
         sample = int(rid.split("-s")[1].split("-")[0])
         want = params["max_new_tokens"]
         version = self.version
@@ -141,13 +148,13 @@ class Harness:
 
 def start(*, alpha: int, batch: int, n: int, proxy: FakeProxy, extra: int = 0, stale_policy: str = "drop",
           replication: bool = True, group_filter=lambda r: True, rewards: Optional[Rewards] = None,
-          max_new_tokens: int = 6, chunk: int = 1, routes: bool = False, overlong: tuple[int, float] = (0, 1.0)
-          ) -> Harness:
+          max_new_tokens: int = 6, chunk: int = 1, routes: bool = False, overlong: tuple[int, float] = (0, 1.0),
+          dataset: Any = None) -> Harness:
     m = StalenessManager(alpha=alpha, batch_size=batch, extra=extra * n)
     holder: dict[str, RolloutScheduler] = {}
     buf = SampleBuffer(m, stale_policy=stale_policy,
                        on_evict=lambda g: holder["s"].requeue_prompt(g) if stale_policy == "regenerate" else None)
-    s = RolloutScheduler(dataset=Dataset(), proxy=proxy, reward_pool=rewards or Rewards(), group_filter=group_filter,
+    s = RolloutScheduler(dataset=dataset or Dataset(), proxy=proxy, reward_pool=rewards or Rewards(), group_filter=group_filter,
                          buffer=buf, staleness=m,
                          settings=SchedulerSettings(n_samples_per_prompt=n, sampling_params={"temperature": 1.0},
                                                     max_new_tokens=max_new_tokens, prompt_replication=replication,
@@ -396,3 +403,40 @@ def test_overlong_penalty_function_hand_values() -> None:
     assert overlong_penalty(80, **kw) == 0.0 and overlong_penalty(90, **kw) == 0.5
     assert overlong_penalty(100, **kw) == 1.0 and overlong_penalty(81, **kw) == pytest.approx(0.05)
     assert overlong_penalty(100, max_new_tokens=100, buffer_len=0, penalty=1.0) == 0.0
+
+
+def test_a_prompt_the_engine_refuses_is_skipped_counted_and_never_sent_again() -> None:
+    """Prompts whose second id is 7 or 8 (indices ≡ 5, 6 mod 7) are 'too long' for the fake engine:
+    refused once, skipped, and the run trains on the others. Asking again would get the same 400."""
+    proxy = FakeProxy(lambda rid: 0.0, context=6)
+    h = start(alpha=1, batch=8, n=2, proxy=proxy)
+    taken = train(h, 6, batch=8, alpha=1)
+    trained = {g.prompt_index for gs in taken for g in gs}
+    refused = {int(rid.split("-")[0][1:]) for rid, ids in proxy.requests if ids[1] > 6}
+    assert refused and not trained & refused
+    # every refused prompt went out as exactly one group (its n samples), never re-queued (no error drop)
+    assert h.scheduler.stats.skipped_prompts == len({rid.split("-")[0] for rid, ids in proxy.requests if ids[1] > 6})
+    assert h.staleness.counters.skipped == 2 * h.scheduler.stats.skipped_prompts
+    assert h.staleness.counters.dropped_error == 0
+
+
+class TinyDataset(Dataset):
+    def __len__(self) -> int:
+        return 3
+
+    def next_prompt(self) -> Any:
+        p = SimpleNamespace(index=self.i % 3, text="p", prompt_ids=[1, 9, 9, 9], answer="x", meta={})
+        self.i += 1
+        return p
+
+
+def test_a_dataset_the_engine_refuses_entirely_stops_the_run_naming_prompt_length_and_reason() -> None:
+    from megatron_flash.buffer.sample_buffer import BufferClosed
+
+    h = start(alpha=0, batch=4, n=2, proxy=FakeProxy(lambda rid: 0.0, context=6), dataset=TinyDataset())
+    with pytest.raises(BufferClosed) as info:
+        h.buffer.take_batch(4, timeout_s=30, poll_s=0.005)
+    message = str(info.value.__cause__ or info.value)
+    assert "every prompt of the dataset (3) was refused" in message and "prompt " in message
+    assert "(4 tokens)" in message and "longer than the context (6)" in message
+    h.thread.join(30)

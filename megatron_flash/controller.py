@@ -303,7 +303,27 @@ class Controller:
             self.eval_sets = load_eval_sets(cfg.eval, self.tokenizer, seed=cfg.trainer.seed)
         urls = self.runtime.start_engines()
         logger.info("engines up: %s", urls)
+        if not (cfg.agentic.env or cfg.agentic.workflow):
+            self._fit_prompts_to_engines(dataset)
         return urls
+
+    def _fit_prompts_to_engines(self, dataset: Any) -> None:
+        """Prompts that can never fit the engines (prompt + rollout.max_new_tokens > their context) are
+        dropped at load and counted, so none is sent to be refused; the run refuses to start if none fits."""
+        context = self.runtime.engine_context()
+        if context is None:
+            return
+        limit = context - self.cfg.rollout.max_new_tokens
+        why = (f"the engines' context of {context} tokens with rollout.max_new_tokens="
+               f"{self.cfg.rollout.max_new_tokens}")
+        if limit < 1:
+            raise ValueError(f"rollout.max_new_tokens={self.cfg.rollout.max_new_tokens} leaves no room for a prompt "
+                             f"in the engines' context of {context} tokens")
+        dropped = dataset.drop_longer_than(limit, why=why)
+        self._skipped_at_load = dropped
+        if dropped:
+            logger.warning("%d prompt(s) longer than %d tokens skipped at load: they cannot fit %s",
+                           dropped, limit, why)
 
     def _on_evict(self, group: Group) -> None:
         if self.cfg.async_rl.stale_policy == "regenerate" and self.runtime is not None:
@@ -504,6 +524,7 @@ class Controller:
             m["rollout_resumes"] = stats.resumes
             m["engine_errors"] = stats.engine_errors
             m["skipped_prompts"] = stats.skipped_prompts  # refused by an engine (4xx), never retried
+            m["skipped_prompts_at_load"] = getattr(self, "_skipped_at_load", 0)  # could never fit the engines
             m["groups_expired_in_flight"] = stats.groups_expired  # redundant surplus cancelled at a push
             if self.cfg.rollout.overlong_buffer_len:
                 m["overlong_penalized"] = stats.overlong_penalized

@@ -97,6 +97,20 @@ class PromptDataset:
                                   answer=rows.answers[i], meta=rows.metas[i]))
         return cls(prompts, seed=seed, shuffle=data_cfg.shuffle, num_skipped=num_skipped)
 
+    def drop_longer_than(self, max_len: int, *, why: str) -> int:
+        """Drop prompts of more than `max_len` tokens (before any is drawn: the epoch order is made
+        again); returns how many. Raises ValueError, naming the longest prompt, when none is left."""
+        keep = [p for p in self._prompts if len(p.prompt_ids) <= max_len]
+        if not keep:
+            longest = max(self._prompts, key=lambda p: len(p.prompt_ids))
+            raise ValueError(f"no prompt fits {why}: every one is longer than {max_len} tokens (e.g. row "
+                             f"{longest.index + 1}: {len(longest.prompt_ids)} tokens)")
+        dropped = len(self._prompts) - len(keep)
+        self._prompts = keep
+        self.num_skipped += dropped
+        self._order = self._epoch_order(self._epoch)
+        return dropped
+
     def __len__(self) -> int:
         return len(self._prompts)
 

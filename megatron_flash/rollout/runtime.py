@@ -143,6 +143,21 @@ class RolloutRuntime:
             self.launcher.supervise(max_restarts=eng.max_restarts, on_down=self.engine_down)
         return self.urls
 
+    def engine_context(self) -> Optional[int]:
+        """The smallest context (prompt + response tokens) the engines report in /get_server_info
+        (`context_length`), or None when none reports one (then refusals are handled per request)."""
+        from megatron_flash.engines.client import EngineClient
+
+        async def ask(url: str) -> Any:
+            async with EngineClient(url, api_key=self.engines_cfg.api_key, max_retries=1) as client:
+                return (await client.server_info()).get("context_length")
+
+        async def every() -> list:
+            return await asyncio.gather(*(ask(u) for u in self.urls), return_exceptions=True)
+
+        known = [v for v in asyncio.run(every()) if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+        return min(known) if known else None
+
     def engine_down(self, url: str, reason: str) -> None:
         """From the launcher's supervisor thread: stop routing to `url` now (its requests are retried
         elsewhere); it comes back only at the fleet's weight version (after the next push)."""

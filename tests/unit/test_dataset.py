@@ -96,6 +96,17 @@ def test_num_samples_and_max_prompt_len(tmp_path, tokenizer) -> None:
     assert [p.index for p in take(ds, 2)] == [0, 2]
 
 
+def test_prompts_that_cannot_fit_the_engines_are_dropped_at_load(tmp_path, tokenizer) -> None:
+    path = write_jsonl(tmp_path / "p.jsonl", ROWS + [{"question": "abcdefgh", "gold": "x", "level": "x"}])
+    ds = PromptDataset.from_config(file_cfg(path), tokenizer, seed=0)
+    # lengths 5, 10, 4, 8 tokens: an engine limit of 8 drops row 1 only
+    assert ds.drop_longer_than(8, why="a test context") == 1 and ds.num_skipped == 1
+    assert sorted(p.index for p in take(ds, 3)) == [0, 2, 3]
+    with pytest.raises(ValueError, match=r"no prompt fits a test context: every one is longer than 3 tokens "
+                                         r"\(e.g. row 4: 8 tokens\)"):
+        ds.drop_longer_than(3, why="a test context")
+
+
 def test_chat_template(tmp_path, tokenizer) -> None:
     path = write_jsonl(tmp_path / "p.jsonl", ROWS)
     ds = PromptDataset.from_config(file_cfg(path, apply_chat_template=True), tokenizer, seed=0)

@@ -149,3 +149,41 @@ def test_the_engine_side_refuses_bad_requests_by_field() -> None:
     finally:
         maps.close()
         buffers.close()
+
+
+def test_an_engine_that_cannot_map_the_buffers_falls_back_to_the_pickled_path() -> None:
+    """An engine on another host or PID namespace answers that it cannot open the buffer: its
+    re-sync (and every later sync) goes through the pickled path instead of failing again."""
+    from types import SimpleNamespace
+
+    from megatron_flash.weight_sync.transports.base import TransportContext
+    from megatron_flash.weight_sync.transports.ipc import IpcTransport
+
+    calls_seen: list[str] = []
+
+    def fan(step, urls, call, **kw):
+        calls_seen.append(step)
+        if "get_server_info" in step:
+            return {u: {"weight_update_shared_memory": True} for u in urls}, {}
+        if "shared_memory" in step:
+            return {}, {u: f"{step}: EngineHTTPError: HTTP 400: buffer /proc/1/fd/3: cannot be opened (No such "
+                           "file or directory): the trainer process is gone or on another host (ipc needs engines "
+                           "on the trainer's host)" for u in urls}
+        return {u: {} for u in urls}, {}
+
+    ctx = TransportContext(calls=SimpleNamespace(fan=fan), layout=None, engine_tp_size=1, master_address="",
+                           disk_dir="", export_hf=lambda d: None, in_service=lambda: ["http://far:1"],
+                           bucket_bytes=4096, sender_bytes_bound=1 << 20)
+    transport = IpcTransport(ctx)
+    try:
+        transport.prepare(1)
+        bucket = [("w", torch.ones(8))]
+        transport.send(bucket, ["http://far:1"], "PP stage 0 bucket 0")
+        errors = transport.drain()
+        assert list(errors) == ["http://far:1"]
+        transport.send(bucket, ["http://far:1"], "PP stage 0 bucket 0")  # the re-sync pass
+        assert transport.drain() == {}
+        assert [s for s in calls_seen if "bucket" in s] == [
+            "PP stage 0 bucket 0 (update_weights_from_shared_memory)", "PP stage 0 bucket 0 (update_weights_from_tensor)"]
+    finally:
+        transport.close()

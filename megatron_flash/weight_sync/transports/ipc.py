@@ -24,6 +24,8 @@ from megatron_flash.weight_sync.transports.base import StreamingTransport, Trans
 from megatron_flash.weight_sync.transports.shared_buffers import SharedBuffers, Stager
 
 STAGED_FLAG = "weight_update_shared_memory"
+CANNOT_MAP = "ipc needs engines on the trainer's host"
+"""In the engine's refusal when it cannot open the trainer's buffer (engines/shared_weights.py)."""
 
 
 class IpcTransport(StreamingTransport):
@@ -78,8 +80,12 @@ class IpcTransport(StreamingTransport):
         return self._stager
 
     def _deliver(self, spec: dict, entries: list, urls: list[str], label: str) -> Errors:
-        return self.ctx.calls.fan(f"{label} (update_weights_from_shared_memory)", urls,
-                                  lambda c: c.update_weights_from_shared_memory(spec, entries))[1]
+        errors = self.ctx.calls.fan(f"{label} (update_weights_from_shared_memory)", urls,
+                                    lambda c: c.update_weights_from_shared_memory(spec, entries))[1]
+        for url, message in errors.items():
+            if CANNOT_MAP in message:  # another host or PID namespace: its re-sync goes pickled
+                self._staged[url] = False
+        return errors
 
     def _close_stager(self) -> None:
         stager, self._stager = self._stager, None

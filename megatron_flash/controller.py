@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_flash import recipes
 from megatron_flash.buffer.sample_buffer import BufferClosed, SampleBuffer
 from megatron_flash.buffer.staleness import StalenessManager, staleness
 from megatron_flash.config.schema import RUN_MODES
@@ -79,8 +80,7 @@ class Controller:
         self._ctrl_group: Any = None
         self._totals: dict[str, float] = {}
         self._release_metrics: dict[str, float] = {}
-        self.eval_sets: list = []  # rank 0: the held-out sets of eval.datasets
-        self._evaluated_at: Optional[int] = None
+        self.evaluation: Any = None  # rank 0, with eval.datasets: rollout.evaluation.PeriodicEvaluation
 
     # ================================================================== the loop (one screen)
     def run(self) -> dict[str, Any]:
@@ -214,33 +214,10 @@ class Controller:
         return stop
 
     def maybe_evaluate(self, steps_done: int, *, final: bool = False) -> None:
-        """Rank 0: evaluate the held-out sets at the engines' version when due (see eval.*). It runs
-        between two pushes — this thread alone pushes, and waits — so every evaluation request is
-        served at that one version; the other ranks wait at their next collective."""
-        e = self.cfg.eval
-        if self.rank != 0 or not self.eval_sets or self._evaluated_at == steps_done:
-            return
-        due = steps_done == self.start_step or final or (e.every_steps and steps_done % e.every_steps == 0)
-        if not due:
-            return
-        from megatron_flash.rollout.evaluation import EvalSettings
-
-        settings = EvalSettings(n_samples=e.n_samples, max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
-                                temperature=e.temperature, correct_threshold=e.correct_threshold,
-                                version=str(self.version) if self.version > 0 else None)
-        t0 = time.monotonic()
-        metrics, records = self.runtime.evaluate(self.eval_sets, settings)
-        self._evaluated_at = steps_done
-        row = {"step": steps_done, "version": self.version, "seconds": time.monotonic() - t0, **metrics}
-        with open(os.path.join(self.run_dir, "eval.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
-        with open(os.path.join(self.run_dir, "eval_samples.jsonl"), "a") as f:
-            for r in records:
-                f.write(json.dumps({"step": steps_done, "version": self.version, **r}) + "\n")
-        self.tracker.log_side(steps_done, metrics)
-        logger.info("evaluation at version %d: %s", self.version,
-                    ", ".join(f"{k.removeprefix('eval/')}={v:.3f}" for k, v in metrics.items()
-                              if "mean@" in k or "pass@1" in k))
+        """Rank 0: the held-out evaluation when due (rollout/evaluation.py). It runs between two
+        pushes — this thread alone pushes, and waits — so every request is served at one version."""
+        if self.rank == 0 and self.evaluation is not None:
+            self.evaluation.maybe(steps_done, version=self.version, first=steps_done == self.start_step, final=final)
 
     def hf_dir(self) -> str:
         return os.path.join(self.cfg.checkpoint.save_dir or self.run_dir, "hf")
@@ -298,32 +275,16 @@ class Controller:
                                       group_runner_factory=runner_factory,
                                       return_routed_experts=cfg.trainer.moe_routing_replay == "rollout")
         if cfg.eval.datasets:  # loaded (and checked) before any engine starts
-            from megatron_flash.rollout.evaluation import load_eval_sets
+            from megatron_flash.rollout.evaluation import PeriodicEvaluation, load_eval_sets
 
-            self.eval_sets = load_eval_sets(cfg.eval, self.tokenizer, seed=cfg.trainer.seed)
+            self.evaluation = PeriodicEvaluation(
+                cfg.eval, load_eval_sets(cfg.eval, self.tokenizer, seed=cfg.trainer.seed), run_dir=self.run_dir,
+                max_new_tokens=cfg.rollout.max_new_tokens, runtime=self.runtime, tracker=self.tracker)
         urls = self.runtime.start_engines()
         logger.info("engines up: %s", urls)
-        if not (cfg.agentic.env or cfg.agentic.workflow):
-            self._fit_prompts_to_engines(dataset)
+        if not (cfg.agentic.env or cfg.agentic.workflow):  # prompts that can never fit: dropped now, counted
+            self._skipped_at_load = self.runtime.fit_prompts_to_engines(cfg.rollout.max_new_tokens)
         return urls
-
-    def _fit_prompts_to_engines(self, dataset: Any) -> None:
-        """Prompts that can never fit the engines (prompt + rollout.max_new_tokens > their context) are
-        dropped at load and counted, so none is sent to be refused; the run refuses to start if none fits."""
-        context = self.runtime.engine_context()
-        if context is None:
-            return
-        limit = context - self.cfg.rollout.max_new_tokens
-        why = (f"the engines' context of {context} tokens with rollout.max_new_tokens="
-               f"{self.cfg.rollout.max_new_tokens}")
-        if limit < 1:
-            raise ValueError(f"rollout.max_new_tokens={self.cfg.rollout.max_new_tokens} leaves no room for a prompt "
-                             f"in the engines' context of {context} tokens")
-        dropped = dataset.drop_longer_than(limit, why=why)
-        self._skipped_at_load = dropped
-        if dropped:
-            logger.warning("%d prompt(s) longer than %d tokens skipped at load: they cannot fit %s",
-                           dropped, limit, why)
 
     def _on_evict(self, group: Group) -> None:
         if self.cfg.async_rl.stale_policy == "regenerate" and self.runtime is not None:
@@ -392,7 +353,7 @@ class Controller:
                         pad_to_multiple=self.cfg.parallel.tensor_model_parallel_size)
         if not self.mode.trains:
             return batch
-        batch = self._overlong_filter(samples, batch)
+        batch, self._overlong = recipes.overlong_filter(samples, batch, enabled=self.cfg.rollout.overlong_filter)
         batch = batch.replace(staleness=torch.tensor([staleness(self.version, s.version_start) for s in samples]))
         if self.loss.needs_proximal:  # π_prox = the weights this step starts from (version V)
             batch = batch.replace(proximal_logprobs=self.policy.compute_logprobs(batch)[0] * batch.loss_mask)
@@ -400,21 +361,6 @@ class Controller:
             batch = batch.replace(
                 reference_logprobs=self.policy.compute_logprobs(batch, reference=True)[0] * batch.loss_mask)
         return batch
-
-    def _overlong_filter(self, samples: list, batch: TrainBatch) -> TrainBatch:
-        """rollout.overlong_filter: truncated responses leave the loss (rows of loss_mask zeroed). A
-        batch of only truncated responses is trained as is (nothing would be left) and counted."""
-        self._overlong = {"overlong_filtered": 0, "overlong_filter_skipped": 0}
-        if not self.cfg.rollout.overlong_filter:
-            return batch
-        cut = torch.tensor([s.finish_reason == "length" for s in samples])
-        if bool(cut.all()):
-            self._overlong["overlong_filter_skipped"] = 1
-            logger.warning("overlong filter: all %d responses of this batch are truncated; trained as they are",
-                           len(samples))
-            return batch
-        self._overlong["overlong_filtered"] = int(cut.sum())
-        return batch.replace(loss_mask=batch.loss_mask * (~cut).to(batch.loss_mask.dtype)[:, None])
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         if not self.mode.trains:
@@ -487,7 +433,6 @@ class Controller:
         if self.rank != 0:
             return {}
         samples = [s for g in groups for s in g.samples]
-        histograms: dict[str, Any] = {}
         lags = [self.version - 1 - s.version_start for s in samples]
         c = self.staleness.counters
         m: dict[str, Any] = {
@@ -503,20 +448,10 @@ class Controller:
             "overlong_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
             **getattr(self, "_overlong", {}),
         }
-        if batch.proximal_logprobs is not None:
-            fresh = (batch.staleness == 0).float()[:, None] * batch.loss_mask
-            if fresh.sum() > 0:  # same policy version on both sides: pure train/inference mismatch
-                delta = (batch.proximal_logprobs - batch.behavior_logprobs) * fresh  # log π_train − log μ_engine
-                if "train_infer_logprob_diff" not in sync_metrics:  # the probe's, when it ran, is logged
-                    m["train_infer_logprob_diff"] = float(delta.abs().sum() / fresh.sum())
-                # KL(μ‖π) by the k3 estimator on the engine's samples (r = π/μ): r − 1 − log r ≥ 0
-                k3 = (torch.exp(delta.clamp(-20, 20)) - 1 - delta) * fresh
-                m["mismatch_k3"] = float(k3.sum() / fresh.sum())
-                # log-perplexity of the sampled tokens, engine minus trainer
-                m["mismatch_log_ppl_gap"] = float(delta.sum() / fresh.sum())
-                per_seq = delta.sum(-1) / fresh.sum(-1).clamp(min=1)
-                histograms = {"mismatch/token_log_ratio": delta[fresh > 0],
-                              "mismatch/seq_mean_log_ratio": per_seq[fresh.sum(-1) > 0]}
+        mismatch, histograms = recipes.mismatch_metrics(batch)
+        if "train_infer_logprob_diff" in sync_metrics:  # the probe's, when it ran, is the one logged
+            mismatch.pop("train_infer_logprob_diff", None)
+        m.update(mismatch)
         if self.runtime is not None:
             stats, engine = self.runtime.take_metrics()
             m.update(engine)
@@ -529,7 +464,7 @@ class Controller:
             if self.cfg.rollout.overlong_buffer_len:
                 m["overlong_penalized"] = stats.overlong_penalized
                 m["overlong_penalty_mean"] = stats.overlong_penalty_sum / max(stats.overlong_penalized, 1)
-        m.update(length_bias(samples, self.staleness.take_drop_lengths()))
+        m.update(recipes.length_bias(samples, self.staleness.take_drop_lengths()))
         m.update(sync_metrics)
         m.setdefault("train_infer_logprob_diff", None)  # neither a probe nor fresh samples this step
         m.setdefault("mismatch_k3", None)  # no fresh sample, or a loss without π_prox
@@ -617,22 +552,6 @@ def _picklable(obj: Any) -> bool:
         return True
     except Exception:
         return False
-
-
-def length_bias(trained: list, dropped: dict[str, list[int]]) -> dict[str, Any]:
-    """Response lengths of what trained this step vs what staleness (`stale`) and the dynamic filter
-    (`filtered`) dropped since the last step: mean, p90 and count each (None where nothing). Long
-    rollouts starved by the α bound show as a stale mean far above the trained one."""
-    def stats(name: str, lengths: list[int]) -> dict[str, Any]:
-        ordered = sorted(lengths)
-        return {f"len_{name}_mean": sum(ordered) / len(ordered) if ordered else None,
-                f"len_{name}_p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] if ordered else None,
-                f"len_{name}_n": len(ordered)}
-
-    out = stats("trained", [len(s.response_ids) for s in trained])
-    out.update(stats("dropped_stale", dropped.get("stale", [])))
-    out.update(stats("dropped_filtered", dropped.get("filtered", [])))
-    return out
 
 
 def _loss_fns(loss_cfg: Any, loss: Any, max_new_tokens: int) -> tuple[Any, Any]:

@@ -20,14 +20,19 @@ push or span two versions; `off_version` checks it on every reply.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import math
-import time
 import collections
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_flash.config.schema import DataConfig
 from megatron_flash.rollout.dataset import Prompt, PromptDataset
+
+logger = logging.getLogger(__name__)
 
 EVAL_SEED_OFFSET = 1_000_003
 """Synthetic evaluation tasks are drawn with trainer.seed + this (held out from training's draw)."""
@@ -122,3 +127,36 @@ async def evaluate(proxy: Any, sets: Sequence[EvalSet], reward_pool: Any, decode
         metrics[f"eval/{s.name}/seconds"] = time.monotonic() - t0
         records.extend(r for per_prompt in rows for r in per_prompt)
     return metrics, records
+
+
+class PeriodicEvaluation:
+    """A run's evaluation schedule (eval.every_steps, plus the first and the last step): `maybe`
+    evaluates through the rollout runtime, appends a row to {run_dir}/eval.jsonl and every response
+    to eval_samples.jsonl, and logs the metrics to the tracker's TensorBoard / W&B."""
+
+    def __init__(self, eval_cfg: Any, sets: list[EvalSet], *, run_dir: str, max_new_tokens: int, runtime: Any,
+                 tracker: Any) -> None:
+        self.cfg, self.sets, self.run_dir = eval_cfg, sets, run_dir
+        self.max_new_tokens = eval_cfg.max_new_tokens or max_new_tokens
+        self.runtime, self.tracker = runtime, tracker
+        self._done_at: Optional[int] = None
+
+    def maybe(self, steps_done: int, *, version: int, first: bool, final: bool) -> None:
+        every = self.cfg.every_steps
+        if self._done_at == steps_done or not (first or final or (every and steps_done % every == 0)):
+            return
+        settings = EvalSettings(n_samples=self.cfg.n_samples, max_new_tokens=self.max_new_tokens,
+                                temperature=self.cfg.temperature, correct_threshold=self.cfg.correct_threshold,
+                                version=str(version) if version > 0 else None)
+        t0 = time.monotonic()
+        metrics, records = self.runtime.evaluate(self.sets, settings)
+        self._done_at = steps_done
+        with open(os.path.join(self.run_dir, "eval.jsonl"), "a") as f:
+            f.write(json.dumps({"step": steps_done, "version": version, "seconds": time.monotonic() - t0,
+                                **metrics}) + "\n")
+        with open(os.path.join(self.run_dir, "eval_samples.jsonl"), "a") as f:
+            for r in records:
+                f.write(json.dumps({"step": steps_done, "version": version, **r}) + "\n")
+        self.tracker.log_side(steps_done, metrics)
+        logger.info("evaluation at version %d: %s", version, ", ".join(
+            f"{k.removeprefix('eval/')}={v:.3f}" for k, v in metrics.items() if "mean@" in k or "pass@1" in k))

@@ -158,6 +158,21 @@ class RolloutRuntime:
         known = [v for v in asyncio.run(every()) if isinstance(v, int) and not isinstance(v, bool) and v > 0]
         return min(known) if known else None
 
+    def fit_prompts_to_engines(self, max_new_tokens: int) -> int:
+        """Drop the prompts that can never fit the engines (prompt + max_new_tokens > their smallest
+        context), so none is sent only to be refused; returns how many. Raises ValueError when none fits."""
+        context = self.engine_context()
+        if context is None:
+            return 0
+        why = f"the engines' context of {context} tokens with rollout.max_new_tokens={max_new_tokens}"
+        if context - max_new_tokens < 1:
+            raise ValueError(f"rollout.max_new_tokens={max_new_tokens} leaves no room for a prompt in {why}")
+        dropped = self.dataset.drop_longer_than(context - max_new_tokens, why=why)
+        if dropped:
+            logger.warning("%d prompt(s) longer than %d tokens skipped at load: they cannot fit %s",
+                           dropped, context - max_new_tokens, why)
+        return dropped
+
     def engine_down(self, url: str, reason: str) -> None:
         """From the launcher's supervisor thread: stop routing to `url` now (its requests are retried
         elsewhere); it comes back only at the fleet's weight version (after the next push)."""

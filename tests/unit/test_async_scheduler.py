@@ -277,7 +277,7 @@ def test_filter_and_failed_rewards_are_dropped_counted_and_refilled() -> None:
 def test_length_bias_metrics_hand_values() -> None:
     from types import SimpleNamespace
 
-    from megatron_flash.controller import length_bias
+    from megatron_flash.recipes import length_bias
 
     trained = [SimpleNamespace(response_ids=[0] * n) for n in (2, 4, 6, 8, 10)]
     m = length_bias(trained, {"stale": [30, 10, 20]})

@@ -8,6 +8,7 @@
   named        — (the "registered name or module:attr" rule)        no
   counters     — (metrics windows)                                  no
   planner      —                                                    no
+  recipes      types (per-step batch shaping and diagnostics)       no
   tracking     config                                               no
   losses       types                                                no
   rewards      named, types                                         no
@@ -39,6 +40,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_flash"
 ALLOWED: dict[str, set[str]] = {
     "config": set(), "types": set(), "ports": set(), "named": set(), "counters": set(), "planner": set(),
+    "recipes": {"types"},
     "tracking": {"config"}, "losses": {"types"}, "rewards": {"named", "types"}, "buffer": {"types"},
     "engines": {"ports", "types"}, "hf": set(),
     "rollout": {"buffer", "config", "counters", "engines", "named", "rewards", "types"},

@@ -380,10 +380,34 @@ class Controller:
             for lo in range(0, self.batch_size, size):
                 idx = order[lo:lo + size]
                 metrics = self.policy.train_step(fields.rows(idx), self.loss_fn)
+                self._note_nonfinite(metrics, fields.rows(idx))
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
         return {f"train/{k}": v / count for k, v in sums.items()}
+
+    def _note_nonfinite(self, metrics: dict[str, float], batch: TrainBatch) -> None:
+        """Skipped optimizer steps (a NaN/inf gradient) in a row; at trainer.max_nonfinite_steps the run
+        stops (every rank sees the same metrics, so all stop) with that batch dumped for inspection."""
+        if not metrics.get("nonfinite_skipped"):
+            self._nonfinite_run = 0
+            return
+        self._nonfinite_run = getattr(self, "_nonfinite_run", 0) + 1
+        logger.warning("step at version %d: non-finite gradient, optimizer step skipped (%d in a row)",
+                       self.version, self._nonfinite_run)
+        if self._nonfinite_run < self.cfg.trainer.max_nonfinite_steps:
+            return
+        path = os.path.join(self.run_dir, f"nonfinite_batch_v{self.version}.jsonl")
+        if self.rank == 0:
+            with open(path, "w") as f:
+                for i in range(batch.tokens.shape[0]):
+                    row = {k: getattr(batch, k)[i].tolist() for k in ("tokens", "loss_mask", "behavior_logprobs",
+                                                                       "advantages", "proximal_logprobs", "rewards")
+                           if getattr(batch, k, None) is not None}
+                    f.write(json.dumps(row) + "\n")
+        raise RuntimeError(f"{self._nonfinite_run} optimizer steps in a row had a non-finite gradient "
+                           f"(trainer.max_nonfinite_steps={self.cfg.trainer.max_nonfinite_steps}) at policy version "
+                           f"{self.version}; the last batch's samples are in {path}")
 
     def release_engines(self) -> None:
         """engines.colocate: the engines give their memory back before the trainer computes (they take

@@ -226,6 +226,9 @@ class TrainerConfig(_Section):
     the experts they routed every token to, and every trainer forward of that sample — training,
     π_prox, reference — routes the token to the same experts; SGLang engines get
     --enable-return-routed-experts)."""
+    max_nonfinite_steps: int = 3
+    """A step whose gradient has a NaN/inf anywhere is skipped (no update, counted as
+    train/nonfinite_skipped); this many in a row stop the run, the last batch's samples dumped."""
 
     def validate(self) -> None:
         for name in ("total_steps", "micro_batch_size", "global_batch_size", "num_epochs",
@@ -233,6 +236,7 @@ class TrainerConfig(_Section):
             self._at_least(name, 1)
         self._at_least("seed", 0)
         self._at_least("max_seq_len", 2)
+        self._at_least("max_nonfinite_steps", 1)
         if not self.pack_sequences:  # fixed micro-batches of micro_batch_size samples
             self._require(self.global_batch_size % self.micro_batch_size == 0, "global_batch_size",
                           f"must be divisible by trainer.micro_batch_size={self.micro_batch_size}")

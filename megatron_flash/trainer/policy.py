@@ -387,9 +387,14 @@ class MegatronPolicy:
             self.routing.counts.zero_()  # agreement of this step's training forwards only
         store = self._run(micro, forward_only=False, loss_factory=factory)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
-        update_ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
+        if self._grads_finite():
+            update_ok, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+        else:  # one NaN/inf gradient would poison every weight it reaches: no update, no LR step
+            self.optimizer.zero_grad()
+            update_ok, grad_norm = False, None
         metrics = self._reduce_metrics(store, grad_norm=grad_norm, update_ok=update_ok)
+        metrics["nonfinite_skipped"] = float(not update_ok and grad_norm is None)
         metrics["lr"] = lr
         metrics["micro_batches"] = float(len(micro))
         metrics["tokens_computed"] = float(sum(m.tokens.numel() for m in micro))
@@ -397,6 +402,19 @@ class MegatronPolicy:
             metrics.update(self.router_stats.collect(len(micro), self.device))
             metrics.update(self.routing.collect(self.device))
         return metrics
+
+    def _grads_finite(self) -> bool:
+        """Every gradient of every rank finite (one MAX all-reduce: all ranks decide alike)."""
+        bad = torch.zeros(1, device=self.device)
+        for chunk in self.chunks:
+            for param in chunk.parameters():
+                grad = getattr(param, "main_grad", None)
+                grad = param.grad if grad is None else grad
+                if grad is not None:  # stays on the device: one host sync for the whole model, below
+                    bad += (~torch.isfinite(grad)).any().to(bad.dtype)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad.item())
 
     def _check_routes(self, batch: TrainBatch, required: bool = True) -> TrainBatch:
         """Routing replay needs every sample's routes, laid out for this model."""

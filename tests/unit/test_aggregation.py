@@ -82,6 +82,19 @@ def test_full_objective_matches_a_float64_loop(mode):
             "seq_mean_token_sum": sum(sum(r) for r in seqs) / len(seqs),
             "seq_mean_token_sum_norm": sum(sum(r) / NORM for r in seqs) / len(seqs)}[mode]
     assert (loss_sum / denominator).item() == pytest.approx(want, rel=1e-12)
+    # and its gradient w.r.t. each trained token's loss, from the same loops: 1/T (token_mean),
+    # 1/(S·n_b) (seq_mean_token_mean), 1/S (token_sum), 1/(S·C) (token_sum_norm); 0 off the mask
+    leaf = per_token.detach().clone().requires_grad_(True)
+    s_, d_ = aggregate(leaf, inputs["loss_mask"], mode=mode, norm=norm_of(mode))
+    (s_ / d_).backward()
+    n_tok, n_seq = sum(map(len, seqs)), len(seqs)
+    lengths = [sum(1 for t in range(NUM_POS) if mask[b][t]) for b in range(NUM_SEQS)]
+    for b in range(NUM_SEQS):
+        for t in range(NUM_POS):
+            expected = 0.0 if not mask[b][t] else {
+                "token_mean": 1 / n_tok, "seq_mean_token_mean": 1 / (n_seq * max(lengths[b], 1)),
+                "seq_mean_token_sum": 1 / n_seq, "seq_mean_token_sum_norm": 1 / (n_seq * NORM)}[mode]
+            assert leaf.grad[b, t].item() == pytest.approx(expected, rel=1e-12, abs=1e-15), (b, t)
 
 
 def test_token_sum_modes_refuse_a_missing_or_stray_norm():

@@ -115,17 +115,7 @@ class Tracker:
         if step % self.log_interval != 0 and step != self.total_steps:
             return
         finite = {name: value for name, value in clean.items() if value is not None}
-        if self._tensorboard is not None:
-            for name, value in finite.items():
-                self._tensorboard.add_scalar(name, value, global_step=step)
-            self._tensorboard.flush()
-        if self._wandb_run is not None:
-            try:
-                self._wandb_run.log(finite, step=step)
-            except Exception as error:
-                _warn_once("wandb.log", f"W&B log failed ({type(error).__name__}: {error}); "
-                                        "continuing with W&B disabled (logging.wandb_mode)")
-                self._wandb_run = None
+        self._to_sinks(step, finite)
         if self._bar is not None:
             shown = {name.rsplit("/", 1)[-1]: value for name, value in finite.items()
                      if name.rsplit("/", 1)[-1] in CONSOLE_KEYS}
@@ -135,18 +125,24 @@ class Tracker:
         """Metrics recorded in their own file by the caller (evaluation): TensorBoard and W&B only."""
         if not self.active or self._closed:
             return
-        finite = {name: v for name, v in ((n, _scalar(n, x)) for n, x in metrics.items()) if v is not None}
+        self._to_sinks(step, {name: v for name, v in ((n, _scalar(n, x)) for n, x in metrics.items()) if v is not None})
+
+    def _to_sinks(self, step: int, finite: Mapping[str, float]) -> None:
+        """Scalars to TensorBoard and W&B (a W&B failure disables W&B with one warning)."""
         if self._tensorboard is not None:
             for name, value in finite.items():
                 self._tensorboard.add_scalar(name, value, global_step=step)
             self._tensorboard.flush()
         if self._wandb_run is not None:
-            try:
-                self._wandb_run.log(finite, step=step)
-            except Exception as error:
-                _warn_once("wandb.log", f"W&B log failed ({type(error).__name__}: {error}); "
-                                        "continuing with W&B disabled (logging.wandb_mode)")
-                self._wandb_run = None
+            self._wandb_log(dict(finite), step)
+
+    def _wandb_log(self, payload: dict, step: int) -> None:
+        try:
+            self._wandb_run.log(payload, step=step)
+        except Exception as error:
+            _warn_once("wandb.log", f"W&B log failed ({type(error).__name__}: {error}); "
+                                    "continuing with W&B disabled (logging.wandb_mode)")
+            self._wandb_run = None
 
     def log_histograms(self, step: int, values: Mapping[str, Any]) -> None:
         """Distributions (name → 1-D tensor or list of floats) to TensorBoard and W&B on logged steps;
@@ -163,14 +159,9 @@ class Tracker:
                 self._tensorboard.add_histogram(name, v, global_step=step)
             self._tensorboard.flush()
         if self._wandb_run is not None and values:
-            try:
-                import wandb
+            import wandb
 
-                self._wandb_run.log({n: wandb.Histogram(v.numpy()) for n, v in values.items()}, step=step)
-            except Exception as error:
-                _warn_once("wandb.log", f"W&B log failed ({type(error).__name__}: {error}); "
-                                        "continuing with W&B disabled (logging.wandb_mode)")
-                self._wandb_run = None
+            self._wandb_log({n: wandb.Histogram(v.numpy()) for n, v in values.items()}, step)
 
     def _advance_bar(self, step: int) -> None:
         if self._bar is not None and step > self._bar.n:

@@ -29,6 +29,17 @@ def run_tool(args: list[str], *, nproc: int = 1, timeout: float = 300, check: bo
     return proc
 
 
+def memfd_links(pid: int | str = "self") -> list[str]:
+    """The staged-ipc buffers (memfd `mf-weights-*`) a process holds open file descriptors to."""
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # closed between listdir and readlink
+            pass
+    return [t for t in links if t.startswith("/memfd:mf-weights")]
+
+
 def hf_weights(path: str) -> dict:
     """Every tensor of the HF checkpoint directory `path` (all its *.safetensors shards)."""
     import glob

@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.conftest import run_tool  # noqa: E402
+from tests.conftest import memfd_links, run_tool  # noqa: E402
 
 SCRIPT = os.path.relpath(__file__, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -128,13 +128,7 @@ def _main() -> int:
         return {"version": version, "ok": worst <= tolerance}
 
     def memfds() -> int:
-        links = []
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                links.append(os.readlink(f"/proc/self/fd/{fd}"))
-            except OSError:
-                pass
-        return sum(t.startswith("/memfd:mf-weights") for t in links)
+        return len(memfd_links())
 
     requests: list = []
     dying = [False]

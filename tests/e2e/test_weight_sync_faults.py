@@ -34,7 +34,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.conftest import run_tool  # noqa: E402
+from tests.conftest import memfd_links, run_tool  # noqa: E402
 
 FAULT_AFTER_BUCKET = 1
 CASES = [("kill", "ipc", 1, True), ("kill", "broadcast", 1, False), ("kill", "ipc", 2, False),
@@ -184,13 +184,7 @@ def _main() -> int:
         raise RuntimeError(f"{url} still accepts connections after SIGKILL")
 
     def memfds() -> int:
-        links = []
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                links.append(os.readlink(f"/proc/self/fd/{fd}"))
-            except OSError:
-                pass
-        return sum(t.startswith("/memfd:mf-weights") for t in links)
+        return len(memfd_links())
 
     faulted: list = []
 

@@ -4,23 +4,13 @@ them into the receiver's tensors. Expected values are the source tensors themsel
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from megatron_flash.engines.shared_weights import SharedBufferMaps, copy_pieces
+from tests.conftest import memfd_links
 from megatron_flash.weight_sync.transports.shared_buffers import SharedBuffers, Stager
-
-
-def memfds() -> list[str]:
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out.append(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:
-            pass
-    return [t for t in out if t.startswith("/memfd:mf-weights")]
 
 
 def state() -> dict[str, torch.Tensor]:
@@ -78,7 +68,7 @@ def test_every_byte_arrives_across_buffers_pieces_and_dtypes(buffer_bytes: int, 
     finally:
         stager.close()
         rx.maps.close()
-    assert memfds() == []  # the buffers' file descriptors are closed
+    assert memfd_links() == []  # the buffers' file descriptors are closed
 
 
 def test_a_failed_engine_gets_no_later_buffer_and_is_reported_once() -> None:

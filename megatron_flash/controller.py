@@ -81,6 +81,9 @@ class Controller:
         self._totals: dict[str, float] = {}
         self._release_metrics: dict[str, float] = {}
         self.evaluation: Any = None  # rank 0, with eval.datasets: rollout.evaluation.PeriodicEvaluation
+        self._overlong: dict[str, int] = {}  # this step's overlong-filter counts (recipes.overlong_filter)
+        self._skipped_at_load = 0  # prompts that could never fit the engines' context
+        self._nonfinite_run = 0  # optimizer steps skipped in a row for a non-finite gradient
 
     # ================================================================== the loop (one screen)
     def run(self) -> dict[str, Any]:
@@ -392,7 +395,7 @@ class Controller:
         if not metrics.get("nonfinite_skipped"):
             self._nonfinite_run = 0
             return
-        self._nonfinite_run = getattr(self, "_nonfinite_run", 0) + 1
+        self._nonfinite_run += 1
         logger.warning("step at version %d: non-finite gradient, optimizer step skipped (%d in a row)",
                        self.version, self._nonfinite_run)
         if self._nonfinite_run < self.cfg.trainer.max_nonfinite_steps:
@@ -470,7 +473,7 @@ class Controller:
             "time_rollout_wait": t_wait, "time_train": t_train, "time_step": t_step,
             "samples_per_s": len(samples) / max(t_step, 1e-9),
             "overlong_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
-            **getattr(self, "_overlong", {}),
+            **self._overlong,
         }
         mismatch, histograms = recipes.mismatch_metrics(batch)
         if "train_infer_logprob_diff" in sync_metrics:  # the probe's, when it ran, is the one logged
@@ -483,7 +486,7 @@ class Controller:
             m["rollout_resumes"] = stats.resumes
             m["engine_errors"] = stats.engine_errors
             m["skipped_prompts"] = stats.skipped_prompts  # refused by an engine (4xx), never retried
-            m["skipped_prompts_at_load"] = getattr(self, "_skipped_at_load", 0)  # could never fit the engines
+            m["skipped_prompts_at_load"] = self._skipped_at_load  # could never fit the engines
             m["groups_expired_in_flight"] = stats.groups_expired  # redundant surplus cancelled at a push
             if self.cfg.rollout.overlong_buffer_len:
                 m["overlong_penalized"] = stats.overlong_penalized

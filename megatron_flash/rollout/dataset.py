@@ -97,6 +97,11 @@ class PromptDataset:
                                   answer=rows.answers[i], meta=rows.metas[i]))
         return cls(prompts, seed=seed, shuffle=data_cfg.shuffle, num_skipped=num_skipped)
 
+    @property
+    def prompts(self) -> list[Prompt]:
+        """Every prompt, in source order (what an evaluation set visits)."""
+        return list(self._prompts)
+
     def drop_longer_than(self, max_len: int, *, why: str) -> int:
         """Drop prompts of more than `max_len` tokens (before any is drawn: the epoch order is made
         again); returns how many. Raises ValueError, naming the longest prompt, when none is left."""

@@ -81,7 +81,7 @@ def load_eval_sets(eval_cfg: Any, tokenizer: Any, *, seed: int) -> list[EvalSet]
             ds = PromptDataset.from_config(data, tokenizer, seed=seed + EVAL_SEED_OFFSET)
         except (ValueError, FileNotFoundError) as error:
             raise ValueError(f"eval.datasets.{name}: {error}") from error
-        sets.append(EvalSet(name, list(ds._prompts)))
+        sets.append(EvalSet(name, ds.prompts))
     return sets
 
 

@@ -35,7 +35,7 @@ def test_the_run_stops_after_max_nonfinite_steps_in_a_row_with_the_batch_dumped(
     from megatron_flash.types import TrainBatch
 
     ctl = SimpleNamespace(cfg=SimpleNamespace(trainer=SimpleNamespace(max_nonfinite_steps=3)), version=7,
-                          run_dir=str(tmp_path), rank=0)
+                          run_dir=str(tmp_path), rank=0, _nonfinite_run=0)
     batch = TrainBatch(tokens=torch.tensor([[1, 2, 3]]), loss_mask=torch.ones(1, 3),
                        advantages=torch.tensor([[float("nan")] * 3]))
     bad, good = {"nonfinite_skipped": 1.0}, {"nonfinite_skipped": 0.0}

@@ -61,6 +61,17 @@ def weight_version(url: str) -> str:
         return json.load(r)["weight_version"]
 
 
+def fleet_versions_when_idle(urls: list, timeout_s: float = 60.0) -> list:
+    """Both engines' versions read back to back between two pushes. The run keeps pushing while this
+    reads, so one pair may straddle a push; an engine really left behind never agrees within the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        versions = [weight_version(u) for u in urls]
+        if len(set(versions)) == 1 or time.monotonic() > deadline:
+            return versions
+        time.sleep(0.05)
+
+
 def rejoined(table: list) -> list:
     """The steps whose push re-synced a restarted engine."""
     return [r for r in table if r.get("engines_restarted")]
@@ -146,7 +157,7 @@ def test_launcher_restarts_a_killed_engine_and_the_run_resyncs_it(tiny_models, t
         watch.wait_for(lambda t: len(t) >= len(table) + 3)  # it keeps serving for a few more steps
         with open(pid_path) as f:
             survivor = int(f.read())
-        fleet_versions = [weight_version(f"http://127.0.0.1:{port + i}") for i in range(2)]
+        fleet_versions = fleet_versions_when_idle([f"http://127.0.0.1:{port + i}" for i in range(2)])
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -219,7 +230,7 @@ def test_attached_engines_restarted_on_their_node_are_resynced_and_serve_again(t
         table = watch.wait_for(back_and_serving)
         watch.wait_for(lambda t: len(t) >= len(table) + 3)  # it keeps serving for a few more steps
         survivor = server_pid(loops[0])
-        fleet_versions = [weight_version(u) for u in urls]
+        fleet_versions = fleet_versions_when_idle(urls)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
     finally:

@@ -26,6 +26,7 @@ replayed from a dump, no engines); what each does is the `ModeTraits` table of c
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -129,7 +130,9 @@ class Controller:
             self.policy = _build_policy(cfg)
             self.rank = self.policy.layout.rank
             if self.policy.layout.world_size > 1:  # control messages (batches, stop) go over gloo
-                self._ctrl_group = dist.new_group(backend="gloo")
+                # The other ranks wait here while rank 0 waits for a rollout batch: both deadlines.
+                wait = cfg.parallel.collective_timeout_s + cfg.async_rl.batch_timeout_s
+                self._ctrl_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=wait))
             self._maybe_resume()
         if self.rank == 0:
             with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
@@ -470,6 +473,9 @@ class Controller:
             "staleness_mean": sum(lags) / len(lags), "staleness_max": max(lags),
             "dropped_stale": c.dropped_stale, "regenerated_stale": c.regenerated_stale,
             "dropped_filtered": c.dropped_filtered, "reward_failed": c.dropped_failed,
+            # Cumulative sample accounting: admitted = trained + outstanding + every drop and skip.
+            "samples_admitted": c.submitted, "samples_trained": c.consumed, "samples_outstanding": c.outstanding,
+            "samples_skipped": c.skipped, "dropped_error": c.dropped_error, "samples_cancelled": c.cancelled,
             "time_rollout_wait": t_wait, "time_train": t_train, "time_step": t_step,
             "samples_per_s": len(samples) / max(t_step, 1e-9),
             "overlong_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
@@ -485,7 +491,8 @@ class Controller:
             m["tokens_per_s"] = stats.tokens_generated / max(t_step, 1e-9)
             m["rollout_resumes"] = stats.resumes
             m["engine_errors"] = stats.engine_errors
-            m["skipped_prompts"] = stats.skipped_prompts  # refused by an engine (4xx), never retried
+            m["skipped_prompts"] = stats.skipped_prompts  # refused (4xx) or failing past max_prompt_retries
+            m["skipped_after_retries"] = stats.skipped_after_retries
             m["skipped_prompts_at_load"] = self._skipped_at_load  # could never fit the engines
             m["groups_expired_in_flight"] = stats.groups_expired  # redundant surplus cancelled at a push
             if self.cfg.rollout.overlong_buffer_len:

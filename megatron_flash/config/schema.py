@@ -151,6 +151,10 @@ class ParallelConfig(_Section):
     along the sequence); needs TP > 1. Works on NCCL and on gloo (CPU)."""
     backend: str = "auto"
     """torch.distributed backend: auto (nccl when CUDA is available, else gloo)|gloo|nccl."""
+    collective_timeout_s: float = 600.0
+    """Deadline of every collective and barrier of the trainer's process groups (torch.distributed's
+    timeout): a rank that never arrives (hung or dead peer) fails the others after this long instead
+    of wedging the job."""
     virtual_pipeline_model_parallel_size: Optional[int] = None
     """Interleaved 1F1B: model chunks per pipeline stage (each stage holds V non-contiguous blocks
     of layers); null = no interleaving. num_hidden_layers must divide by PP × V."""
@@ -172,6 +176,7 @@ class ParallelConfig(_Section):
         if self.expert_tensor_parallel_size is not None:
             self._at_least("expert_tensor_parallel_size", 1)
         self._one_of("backend", DIST_BACKENDS)
+        self._positive("collective_timeout_s")
         if self.sequence_parallel:
             self._require(self.tensor_model_parallel_size > 1, "sequence_parallel",
                           "needs parallel.tensor_model_parallel_size > 1")
@@ -379,6 +384,14 @@ class RolloutConfig(_Section):
     """Registered reward function name (exact_match, math, yours), or "module:function"."""
     reward_workers: int = 0
     """Processes scoring rewards off the rollout loop (CPU-heavy rewards such as math); 0 = inline."""
+    reward_timeout_s: float = 30.0
+    """Deadline of one reward call: past it the sample fails (its group is dropped and counted as
+    reward_failed). With reward_workers > 0 the worker is killed and replaced; inline (0) a call cannot
+    be interrupted and is only failed once it returns, so a reward that may hang needs workers."""
+    max_prompt_retries: int = 3
+    """A prompt whose group failed on the engines (transient errors: 5xx, timeouts, malformed replies,
+    after the proxy's own retries on other engines) is re-queued at most this many times, then skipped
+    and counted (skipped_prompts, skipped_after_retries); refusals (HTTP 4xx) are never retried."""
     dump_path: str = ""
     """Append every finished group as one JSON line here (always in trainer.mode=rollout_only)."""
     max_resumes: int = 16
@@ -408,6 +421,8 @@ class RolloutConfig(_Section):
         self._one_of("pause_mode", PAUSE_MODES)
         self._require(bool(self.reward), "reward", "must be a non-empty reward name")
         self._at_least("reward_workers", 0)
+        self._positive("reward_timeout_s")
+        self._at_least("max_prompt_retries", 0)
         self._at_least("max_resumes", 0)
         self._at_least("overlong_buffer_len", 0)
         self._require(self.overlong_buffer_len < self.max_new_tokens, "overlong_buffer_len",
@@ -546,6 +561,10 @@ class WeightSyncConfig(_Section):
     max_resync: int = 1
     """An engine that failed midway (it may hold part of the buckets) and still answers is re-synced
     from scratch up to this many times; 0 = never. Engines that stay failed are taken out of service."""
+    timeout_s: float = 600.0
+    """Deadline of each weight-sync call to an engine (pause, one bucket, version update, probe); on
+    expiry the engine is counted as failed for this sync (re-synced or taken out, as above) and the
+    error names the engine, the endpoint and the deadline."""
     fail_fast: bool = False
     """Raise WeightSyncError (naming the engine and the step) when an engine is taken out of service;
     false = carry on with the others and list it in SyncReport.failed_urls. A sync that leaves no
@@ -556,6 +575,7 @@ class WeightSyncConfig(_Section):
         self._at_least("bucket_mb", 1)
         self._positive("probe_threshold")
         self._at_least("max_resync", 0)
+        self._positive("timeout_s")
 
 
 @dataclass

@@ -216,7 +216,7 @@ class RolloutRuntime:
 
         r = self.rollout_cfg
         self._loop = asyncio.get_running_loop()
-        reward_pool = RewardPool(r.reward, num_workers=r.reward_workers)
+        reward_pool = RewardPool(r.reward, num_workers=r.reward_workers, timeout_s=r.reward_timeout_s)
         self._reward_pool = reward_pool
         try:
             group_filter = get_filter(r.dynamic_filter)
@@ -228,7 +228,7 @@ class RolloutRuntime:
                     replication_chunk=r.replication_chunk, max_resumes=r.max_resumes,
                     engine_down_deadline_s=self.engines_cfg.down_timeout_s,
                     return_routed_experts=self.return_routed_experts, overlong_buffer_len=r.overlong_buffer_len,
-                    overlong_penalty=r.overlong_penalty)
+                    overlong_penalty=r.overlong_penalty, max_prompt_retries=r.max_prompt_retries)
                 self.scheduler = RolloutScheduler(
                     dataset=self.dataset, proxy=proxy, reward_pool=reward_pool, group_filter=group_filter,
                     buffer=self.buffer, staleness=self.staleness, settings=settings, decode=self.decode)

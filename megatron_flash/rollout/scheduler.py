@@ -75,6 +75,8 @@ class SchedulerSettings:
     overlong_buffer_len: int = 0
     overlong_penalty: float = 1.0
     """DAPO's soft overlong penalty (see `overlong_penalty`)."""
+    max_prompt_retries: int = 3
+    """Times a prompt whose group failed on the engines is re-queued before it is skipped."""
 
 
 def overlong_penalty(length: int, *, max_new_tokens: int, buffer_len: int, penalty: float) -> float:
@@ -101,7 +103,9 @@ class RolloutStats(Counters):
     """Surplus groups (redundant prompts) cancelled in flight because a push made them stale."""
     group_latency_s: float = 0.0
     skipped_prompts: int = 0
-    """Prompts an engine refused deterministically (HTTP 4xx: too long, bad parameters): never retried."""
+    """Prompts skipped for good: refused by an engine (HTTP 4xx: too long, bad parameters; never
+    retried) or failed on the engines max_prompt_retries + 1 times (`skipped_after_retries` of them)."""
+    skipped_after_retries: int = 0
     overlong_penalized: int = 0
     """Responses whose reward lost an overlong penalty."""
     overlong_penalty_sum: float = 0.0
@@ -119,7 +123,8 @@ class RolloutScheduler:
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
         self._next_group_id = 0
-        self._refused: dict[Any, tuple[int, str]] = {}  # prompt index → (its length, the engine's refusal)
+        self._refused: dict[Any, tuple[int, str]] = {}  # prompt index → (its length, why it is skipped)
+        self._failures: dict[Any, int] = {}  # prompt index → its groups' engine failures in a row
         self._last_success = time.monotonic()
         self._failing_since: Optional[float] = None
         self._fatal: Optional[BaseException] = None
@@ -277,21 +282,32 @@ class RolloutScheduler:
                 return
             refusal = deterministic_refusal(e)
             if refusal is not None and not self._stopping:  # asking again gets the same answer
-                self._skip(prompt, n, refusal)
+                self._skip(prompt, n, f"the engine refused it: {refusal}")
                 return
             self.stats.engine_errors += 1
-            self.staleness.on_drop(n, reason="cancelled" if self._stopping else "error")
-            if not self._stopping:
-                logger.warning("group %d (prompt %s) failed: %s; prompt re-queued", group_id,
-                               getattr(prompt, "index", "?"), e)
-                self._requeued.appendleft(prompt)
-                self._note_failure(e)
+            if self._stopping:
+                self.staleness.on_drop(n, reason="cancelled")
+                return
+            index = getattr(prompt, "index", "?")
+            failures = self._failures[index] = self._failures.get(index, 0) + 1
+            self._note_failure(e)
+            if failures > self.settings.max_prompt_retries:  # it keeps failing: a bad prompt, not a bad engine
+                self._failures.pop(index)
+                self.stats.skipped_after_retries += 1
+                self._skip(prompt, n, f"its group failed {failures} times on the engines "
+                                      f"(rollout.max_prompt_retries={self.settings.max_prompt_retries}); last error: {e}")
+                return
+            self.staleness.on_drop(n, reason="error")
+            logger.warning("group %d (prompt %s) failed (%d of %d tries): %s; prompt re-queued", group_id,
+                           index, failures, self.settings.max_prompt_retries + 1, e)
+            self._requeued.appendleft(prompt)
             return
         if self._stopping or any(s is None for s in samples):
             self.staleness.on_drop(n, reason="cancelled")
             return
         self._last_success = time.monotonic()
         self._failing_since = None
+        self._failures.pop(getattr(prompt, "index", "?"), None)
         if any(s.reward_failed for s in samples):
             self.stats.reward_failures += sum(s.reward_failed for s in samples)
             self.staleness.on_drop(n, reason="failed")
@@ -325,20 +341,19 @@ class RolloutScheduler:
         except TypeError:
             return 1 << 62
 
-    def _skip(self, prompt: Any, n: int, refusal: BaseException) -> None:
+    def _skip(self, prompt: Any, n: int, why: str) -> None:
         index = getattr(prompt, "index", "?")
         self.stats.skipped_prompts += 1
         self.staleness.on_drop(n, reason="skipped")
-        self._refused[index] = (len(getattr(prompt, "prompt_ids", ())), str(refusal))
-        logger.warning("prompt %s (%d tokens) skipped: the engine refused it: %s", index,
-                       self._refused[index][0], refusal)
+        self._refused[index] = (len(getattr(prompt, "prompt_ids", ())), why)
+        logger.warning("prompt %s (%d tokens) skipped: %s", index, self._refused[index][0], why)
         if len(self._refused) >= self._dataset_size() and self._fatal is None:
             self._fatal = self._all_refused()
 
     def _all_refused(self) -> RolloutError:
         index, (length, why) = next(iter(self._refused.items()))
-        return RolloutError(f"every prompt of the dataset ({self._dataset_size()}) was refused by the engines, so no "
-                            f"step can be filled; e.g. prompt {index} ({length} tokens): {why}")
+        return RolloutError(f"every prompt of the dataset ({self._dataset_size()}) was refused by the engines or kept "
+                            f"failing on them, so no step can be filled; e.g. prompt {index} ({length} tokens): {why}")
 
     def _note_failure(self, error: BaseException) -> None:
         now = time.monotonic()

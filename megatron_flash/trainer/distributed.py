@@ -83,7 +83,8 @@ def init_distributed(*, tp_size: int, pp_size: int, seed: int, backend: str = "a
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
                                  virtual_pipeline_model_parallel_size=vpp_size, context_parallel_size=cp_size,
-                                 expert_model_parallel_size=ep_size, expert_tensor_parallel_size=etp_size)
+                                 expert_model_parallel_size=ep_size, expert_tensor_parallel_size=etp_size,
+                                 distributed_timeout_minutes=timeout_s / 60)  # its groups: the same deadline
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return Layout(

@@ -93,6 +93,7 @@ class PolicySettings:
     make_vocab_size_divisible_by: int = 128
     use_transformer_engine: str = "auto"
     backend: str = "auto"
+    collective_timeout_s: float = 600.0
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
 
     def __post_init__(self) -> None:
@@ -121,7 +122,7 @@ class PolicySettings:
             seed=t.seed, optimizer_steps=t.total_steps * t.num_epochs * t.num_mini_batches,
             make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
             use_transformer_engine=model.use_transformer_engine, backend=p.backend,
-            optimizer=optimizer,
+            collective_timeout_s=p.collective_timeout_s, optimizer=optimizer,
         )
 
 
@@ -136,6 +137,7 @@ class MegatronPolicy:
         self.uses_te = use_te(s.use_transformer_engine)
         check_scale_options(s.scale, optimizer=s.optimizer, uses_te=self.uses_te)
         self.layout: Layout = init_distributed(tp_size=s.tp_size, pp_size=s.pp_size, seed=s.seed, backend=s.backend,
+                                               timeout_s=s.collective_timeout_s,
                                                vpp_size=vpp, cp_size=s.scale.context_parallel_size,
                                                ep_size=s.moe.ep_size, etp_size=s.moe.etp_size)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

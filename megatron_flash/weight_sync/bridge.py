@@ -77,7 +77,7 @@ class WeightBridge:
         """From a `WeightSyncConfig`; `kwargs` carry what lives elsewhere (pause_mode, api_key, disk_dir…)."""
         return cls(policy, engine_urls, transport=config.transport, bucket_mb=config.bucket_mb,
                    max_resync=config.max_resync, fail_fast=config.fail_fast, probe=config.probe,
-                   probe_threshold=config.probe_threshold, **kwargs)
+                   probe_threshold=config.probe_threshold, timeout_s=config.timeout_s, **kwargs)
 
     def _take_out(self, urls_errors: dict[str, str]) -> None:
         for url, why in urls_errors.items():

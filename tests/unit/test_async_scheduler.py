@@ -440,3 +440,45 @@ def test_a_dataset_the_engine_refuses_entirely_stops_the_run_naming_prompt_lengt
     assert "every prompt of the dataset (3) was refused" in message and "prompt " in message
     assert "(4 tokens)" in message and "longer than the context (6)" in message
     h.thread.join(30)
+
+
+class IndexedDataset(Dataset):
+    """Dataset's prompts with their index as a third id, so an engine can tell them apart."""
+
+    def next_prompt(self) -> Any:
+        p = super().next_prompt()
+        p.prompt_ids = p.prompt_ids + [100 + p.index]
+        return p
+
+
+class CrashingProxy(FakeProxy):
+    """An engine that answers HTTP 500 to every prompt whose second id is 5 (indices ≡ 3 mod 7),
+    as a server does on an input that crashes it: a failure that is not a refusal, and repeats."""
+
+    async def generate(self, input_ids, params, *, rid: str, **kw) -> GenerateResult:
+        if input_ids[1] == 5:
+            from megatron_flash.engines.client import EngineHTTPError
+
+            self.requests.append((rid, list(input_ids)))
+            raise EngineHTTPError("http://fake:1", "/generate", 500, "internal error")
+        return await super().generate(input_ids, params, rid=rid, **kw)
+
+
+def test_a_prompt_that_keeps_failing_is_retried_a_bounded_number_of_times_then_skipped() -> None:
+    proxy = CrashingProxy(lambda rid: 0.0)
+    h = start(alpha=1, batch=8, n=2, proxy=proxy, dataset=IndexedDataset())
+    retries = h.scheduler.settings.max_prompt_retries
+    taken = train(h, 8, batch=8, alpha=1)
+    trained = {g.prompt_index for gs in taken for g in gs}
+    groups_of: dict[int, set] = {}  # failing prompt → the groups (attempts) it went out as
+    for rid, ids in proxy.requests:
+        if ids[1] == 5:
+            groups_of.setdefault(ids[2] - 100, set()).add(rid.split("-")[0])
+    assert groups_of and not trained & set(groups_of)
+    assert max(len(g) for g in groups_of.values()) == retries + 1  # never more tries than the bound
+    skipped = [p for p, g in groups_of.items() if len(g) == retries + 1]
+    stats = h.scheduler.stats
+    assert stats.skipped_after_retries == stats.skipped_prompts == len(skipped) >= 1
+    assert h.staleness.counters.skipped == 2 * len(skipped)
+    assert stats.engine_errors == sum(len(g) for g in groups_of.values())
+    assert all(p in h.scheduler._refused for p in skipped)  # never drawn again

@@ -48,6 +48,7 @@ ALTERNATIVES: dict[str, list[str]] = {
     "parallel.pipeline_model_parallel_size": ["parallel.pipeline_model_parallel_size=2"],
     "parallel.sequence_parallel": ["parallel.sequence_parallel=true", "parallel.tensor_model_parallel_size=2"],
     "parallel.backend": ["parallel.backend=gloo"],
+    "parallel.collective_timeout_s": ["parallel.collective_timeout_s=60"],
     "parallel.virtual_pipeline_model_parallel_size": ["parallel.virtual_pipeline_model_parallel_size=2",
                                                       "parallel.pipeline_model_parallel_size=2"],
     "parallel.context_parallel_size": ["parallel.context_parallel_size=2"],
@@ -94,7 +95,8 @@ def megatron_view(overrides: list[str], spec: HFModelSpec = SPEC) -> dict[str, A
         "TransformerConfig": transformer_config_kwargs(spec, tp_size=s.tp_size, pp_size=s.pp_size, dtype=s.dtype,
                                                        scale=s.scale, moe=s.moe),
         "initialize_model_parallel": (s.tp_size, s.pp_size, s.scale.virtual_pipeline_size,
-                                      s.scale.context_parallel_size, s.backend, s.seed, s.moe.ep_size, s.moe.etp_size),
+                                      s.scale.context_parallel_size, s.backend, s.seed, s.collective_timeout_s,
+                                      s.moe.ep_size, s.moe.etp_size),
         "micro_batches": (s.pack_sequences, s.micro_batch_size, s.max_tokens_per_micro_batch, s.max_seq_len),
         "scheduler": s.optimizer_steps,
         "router_replay": s.moe.routing_replay,  # the routers' replay action (trainer/routing_replay.py)

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -85,6 +86,7 @@ class Controller:
         self._overlong: dict[str, int] = {}  # this step's overlong-filter counts (recipes.overlong_filter)
         self._skipped_at_load = 0  # prompts that could never fit the engines' context
         self._nonfinite_run = 0  # optimizer steps skipped in a row for a non-finite gradient
+        self._trained = False  # the policy's weights are one update ahead of self.version (push pending)
 
     # ================================================================== the loop (one screen)
     def run(self) -> dict[str, Any]:
@@ -99,8 +101,10 @@ class Controller:
                 self.release_engines()                                    # colocated: engines sleep
                 batch = self.make_batch(groups)                           # advantages, π_prox
                 train_metrics = self.train(batch)                         # epochs × mini-batches
+                self._trained = True
                 t_train = time.monotonic() - t0 - t_wait
                 sync_metrics = self.push_weights()                        # pause → send → resume; V += 1
+                self._trained = False
                 self.maybe_evaluate(step + 1)                             # held-out sets, at version V
                 summary = self.log(step, groups, batch, train_metrics, sync_metrics,
                                    t_wait=t_wait, t_train=t_train, t_step=time.monotonic() - t0)
@@ -309,10 +313,16 @@ class Controller:
         elif isinstance(error, RolloutStopped) or (isinstance(error, Exception) and self.policy.layout.world_size == 1):
             # RolloutStopped reaches every rank (so the collective export is safe); a single rank can
             # always save. Save what training reached.
-            out = os.path.join(self.run_dir, f"hf_at_stop_v{self.version}")
-            self.policy.export_hf(out)
-            if self.rank == 0:
-                logger.error("%s; policy version %d saved to %s", error, self.version, out)
+            weights = self.version + self._trained  # a push that failed: the weights are the next version's
+            out = os.path.join(self.run_dir, f"hf_at_stop_v{weights}")
+            try:
+                self.policy.export_hf(out)
+            except Exception as e:  # e.g. the disk that failed the checkpoint: the first error is the one to report
+                shutil.rmtree(out + ".partial", ignore_errors=True)
+                logger.error("%s; policy version %d could not be saved to %s either: %s", error, weights, out, e)
+            else:
+                if self.rank == 0:
+                    logger.error("%s; policy version %d saved to %s", error, weights, out)
         if self.bridge is not None:
             self.bridge.close()
         if self.tracker is not None:
@@ -464,7 +474,7 @@ class Controller:
             return {}
         samples = [s for g in groups for s in g.samples]
         lags = [self.version - 1 - s.version_start for s in samples]
-        c = self.staleness.counters
+        c = self.staleness.snapshot()
         m: dict[str, Any] = {
             "version": self.version,
             "reward_mean": sum(s.reward for s in samples) / len(samples),

@@ -156,6 +156,11 @@ class StalenessManager:
                 key = "stale" if reason in ("stale", "regenerated") else reason
                 self._drop_lengths.setdefault(key, []).extend(lengths)
 
+    def snapshot(self) -> StalenessCounters:
+        """A consistent copy of the counters (the rollout thread updates them in pairs, under the lock)."""
+        with self._lock:
+            return dataclasses.replace(self.counters)
+
     def take_drop_lengths(self) -> dict[str, list[int]]:
         """Response lengths of finished samples dropped since the last call, by reason (stale covers
         regenerated): what staleness and filtering took away, to compare with what trained."""

@@ -25,6 +25,7 @@ are pickles.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -212,11 +213,64 @@ def _sharded_state(policy: Any, *, is_loading: bool) -> dict[str, Any]:
     return state
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (disk full, quota, I/O error); the previous one stays `latest`."""
+
+
 def save(policy: Any, save_dir: str, *, step: int, version: int, rollout_state: Optional[dict[str, Any]],
          keep_last: int = 2, group: Any = None) -> str:
-    """Collective over every trainer rank. Returns the checkpoint directory."""
-    layout = policy.layout
+    """Collective over every trainer rank. Returns the checkpoint directory. A write that fails
+    raises CheckpointError naming the directory, the cause and the checkpoint a resume would use;
+    the partial directory is removed and `latest` is left as it was."""
     final = step_dir(save_dir, step)
+    try:
+        return _save(policy, save_dir, final, step=step, version=version, rollout_state=rollout_state,
+                     keep_last=keep_last, group=group)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # torch's CheckpointException is a BaseException
+        cause = _cause(e, save_dir)  # before the partial write is removed: that frees the space
+        shutil.rmtree(final + ".tmp", ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(save_dir, LATEST + ".tmp"))
+        last = latest_checkpoint(save_dir)
+        raise CheckpointError(f"checkpoint {final} could not be written ({cause}); "
+                              + (f"the last complete checkpoint is {last}, which a resume starts from" if last
+                                 else "no complete checkpoint exists: a resume starts from scratch")) from e
+
+
+def _cause(error: BaseException, save_dir: str) -> str:
+    """Why the write failed: the OSError behind `error` when there is one. torch's file writer
+    reports a short write without its errno ("unexpected pos ..."), so the directory is then probed
+    with a write of its own, which names a full disk, a quota or a file-size limit."""
+    seen: Optional[BaseException] = error
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return f"{type(seen).__name__}: {seen}"
+        seen = seen.__cause__ or seen.__context__
+    lines = [x.strip() for x in str(error).splitlines() if x.strip()]
+    what = f"{type(error).__name__}: {lines[-1][:300] if lines else ''}"
+    probe = os.path.join(save_dir, f".write_probe.{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(PROBE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return f"{what}; a probe write to {save_dir} failed too: {type(e).__name__}: {e}"
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(probe)
+    return what
+
+
+PROBE_BYTES = 8 << 20
+"""Size of the probe write after a failed checkpoint: larger than a write that a nearly full disk still takes."""
+
+
+def _save(policy: Any, save_dir: str, final: str, *, step: int, version: int, rollout_state: Optional[dict[str, Any]],
+          keep_last: int, group: Any) -> str:
+    layout = policy.layout
     tmp = final + ".tmp"
     if layout.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)

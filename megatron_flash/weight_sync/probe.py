@@ -92,6 +92,10 @@ def run_probe(policy: Any, urls: Sequence[str], *, api_key: Optional[str], timeo
                                          own_routing=True)
     if not rank0:
         return None
+    if not torch.isfinite(trainer[:, PROMPT_LEN:]).all():
+        return ("post-sync probe: the trainer's own weights give non-finite logprobs (NaN/inf logits) on fixed "
+                "token sequences: the last optimizer step blew them up (learning rate too high? a bad batch?); "
+                "the run stops rather than train on or sample from them")
 
     async def every() -> list[Any]:
         return await asyncio.gather(*(engine_logprobs(u, tokens, PROMPT_LEN, api_key=api_key, timeout_s=timeout_s)

@@ -1,0 +1,44 @@
+"""The fault tier, training side: NaN logits in a real run (trainer + CPU engine). With a learning
+rate of 1e30 the first optimizer step has finite gradients (so the non-finite-gradient guard lets it
+through) but leaves weights of ~1e30, whose logits overflow: NaN. The post-sync probe must see the
+trainer's own logprobs non-finite and stop the run at that first push, naming the cause, with the
+weights saved under the version they are (hf_at_stop_v1), no engine left, and no sample trained on
+them. An isolated poisoned batch (NaN gradient: the update skipped, the next batch trains) and
+trainer.max_nonfinite_steps in a row (the run stops, the batch dumped) go through the real Megatron
+trainer in tests/distributed/test_nonfinite.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from megatron_flash.ports import free_ports
+from tests.conftest import REPO
+
+
+def test_nan_logits_after_a_blown_up_update_stop_the_run_at_the_push(tiny_models, tmp_path) -> None:
+    from tests.e2e.test_resume import assert_no_orphan
+
+    run_dir = str(tmp_path / "run")
+    port = free_ports(1)
+    args = [sys.executable, "launch/pretrain_async_rl.py", "--config", "configs/quickstart_cpu.yaml",
+            f"model.hf_path={tiny_models['llama']}", f"logging.dir={run_dir}", "trainer.total_steps=20",
+            "trainer.global_batch_size=16", "trainer.micro_batch_size=16", "rollout.n_samples_per_prompt=4",
+            "async_rl.alpha=1", f"engines.base_port={port}", "rollout.reward=tests.e2e.toy_rewards:digit_fraction",
+            "optimizer.lr=1e30", "optimizer.clip_grad=0", "logging.wandb_mode=disabled", "logging.tensorboard=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "PYTHONWARNINGS": "ignore"}
+    t0 = time.monotonic()
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "the trainer's own weights give non-finite logprobs" in out, out[-3000:]
+    assert_no_orphan(port)
+    # Stopped at the first push: no step was logged, nothing trained on the NaN policy's samples.
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    assert not os.path.exists(metrics) or not open(metrics).read().strip()
+    assert [d for d in os.listdir(run_dir) if d.startswith("hf_at_stop_v")] == ["hf_at_stop_v1"]
+    print(f"stopped {time.monotonic() - t0:.0f} s after start: "
+          f"{next(x for x in out.splitlines() if 'non-finite logprobs' in x)[:200]}")

@@ -340,11 +340,20 @@ class Controller:
                     payload = self.buffer.take_batch(self.batch_size, timeout_s=self.cfg.async_rl.batch_timeout_s)
             except (BufferClosed, TimeoutError) as e:
                 cause = e.__cause__ if isinstance(e, BufferClosed) and e.__cause__ is not None else e
-                payload = RolloutStopped(f"no training batch at policy version {self.version}: {cause}")
+                payload = RolloutStopped(f"no training batch at policy version {self.version}: {cause}"
+                                         + (f"; {self._where_samples_went()}" if isinstance(e, TimeoutError) else ""))
         payload = self._broadcast(payload)
         if isinstance(payload, BaseException):
             raise payload
         return payload
+
+    def _where_samples_went(self) -> str:
+        """Why a batch never filled: every sample admitted so far, by what became of it."""
+        c, r = self.staleness.snapshot(), self.cfg.rollout
+        return (f"of {c.submitted} samples admitted, {c.consumed} trained, {c.outstanding} in flight or buffered, "
+                f"{c.dropped_filtered} dropped by rollout.dynamic_filter={r.dynamic_filter}, {c.dropped_failed} by "
+                f"failed rewards, {c.dropped_stale + c.regenerated_stale} stale, {c.dropped_error} by engine errors, "
+                f"{c.skipped} skipped (refused or failing prompts)")
 
     def _replay_batch(self) -> list[Group]:
         groups, total = [], 0

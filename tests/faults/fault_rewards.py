@@ -37,3 +37,8 @@ def faulty(response_text: str, answer: str, *, finished: bool, prompt: str = "",
     _note(tag, "ok")
     return sum(c.isdigit() for c in response_text) / max(len(response_text), 1)
 
+
+
+def drop_every_group(rewards) -> bool:
+    """A dynamic filter (rollout.dynamic_filter=tests.faults.fault_rewards:drop_every_group) that keeps nothing."""
+    return False

@@ -42,3 +42,29 @@ def test_nan_logits_after_a_blown_up_update_stop_the_run_at_the_push(tiny_models
     assert [d for d in os.listdir(run_dir) if d.startswith("hf_at_stop_v")] == ["hf_at_stop_v1"]
     print(f"stopped {time.monotonic() - t0:.0f} s after start: "
           f"{next(x for x in out.splitlines() if 'non-finite logprobs' in x)[:200]}")
+
+
+def test_a_filter_that_keeps_nothing_stops_the_run_at_its_deadline_saying_where_samples_went(tiny_models,
+                                                                                           tmp_path) -> None:
+    """Every group dropped by the dynamic filter: no batch can fill, so at async_rl.batch_timeout_s the
+    run stops, and the error says what was waited on and where every admitted sample went."""
+    from tests.e2e.test_resume import assert_no_orphan
+
+    run_dir, port = str(tmp_path / "run"), free_ports(1)
+    args = [sys.executable, "launch/pretrain_async_rl.py", "--config", "configs/quickstart_cpu.yaml",
+            f"model.hf_path={tiny_models['llama']}", f"logging.dir={run_dir}", "trainer.total_steps=20",
+            "trainer.global_batch_size=16", "trainer.micro_batch_size=16", "rollout.n_samples_per_prompt=4",
+            f"engines.base_port={port}", "rollout.dynamic_filter=tests.faults.fault_rewards:drop_every_group",
+            "async_rl.batch_timeout_s=8", "logging.wandb_mode=disabled", "logging.tensorboard=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert_no_orphan(port)
+    line = next((x for x in out.splitlines() if "no training batch at policy version 0" in x), "")
+    assert "within 8 s" in line, out[-3000:]
+    admitted = int(line.split("of ")[-1].split(" samples admitted")[0])
+    filtered = int(line.split(" dropped by rollout.dynamic_filter=tests.faults.fault_rewards:drop_every_group")[0]
+                   .split(", ")[-1])
+    assert admitted > 0 and 0 < filtered <= admitted and filtered % 4 == 0, line  # whole groups of 4
+    assert ", 0 trained," in line

@@ -10,8 +10,8 @@ Every request is forwarded to the engine unchanged (weight updates, health, abor
     garbage  HTTP 200 with a body that is not JSON, once, for the next fresh request
 
 Bursts, the stall and the garbage start after `start_after` requests were forwarded, and each hits
-a request (rid) that no fault hit before, so every one of them must be recovered by exactly one
-retry. `on_weight_update` (optional) is called when a weight-update call arrives, before it is
+a request (rid) that no fault hit before and whose prompt is not `spare`, so every one of them
+must be recovered by exactly one retry. `on_weight_update` (optional) is called when a weight-update call arrives, before it is
 forwarded. The log (`events`) lists (rid, prompt, action) for every `/generate`.
 """
 
@@ -34,10 +34,10 @@ HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "kee
 class FaultyEngine:
     def __init__(self, upstream: str, prompts: Sequence[Sequence[int]], *, refuse: Sequence[int] = (),
                  error: Sequence[int] = (), start_after: int = 0, burst: int = 0, stall: bool = False,
-                 garbage: bool = False, stall_s: float = 600.0) -> None:
+                 garbage: bool = False, stall_s: float = 600.0, spare: Sequence[int] = ()) -> None:
         self.upstream = upstream.rstrip("/")
         self.prompts = [list(p) for p in prompts]  # index → token ids, to tell which prompt a request is
-        self.refuse, self.error = set(refuse), set(error)
+        self.refuse, self.error, self.spare = set(refuse), set(error), set(spare)
         self.start_after, self.stall_s = start_after, stall_s
         self.pending = ["burst"] * burst + (["stall"] if stall else []) + (["garbage"] if garbage else [])
         self.events: list[tuple[str, Optional[int], str]] = []
@@ -108,7 +108,8 @@ class FaultyEngine:
                 action = "refuse"
             elif prompt in self.error:
                 action = "error"
-            elif self.pending and self.forwarded >= self.start_after and rid not in self.faulted:
+            elif (self.pending and self.forwarded >= self.start_after and rid not in self.faulted
+                  and prompt not in self.spare):
                 action = self.pending.pop(0)
                 self.faulted.add(rid)
             else:

@@ -83,7 +83,7 @@ def test_engine_and_reward_faults_are_survived_counted_and_accounted(tiny_models
                               base_port=free_ports(1), run_dir=str(tmp_path / "engine"), startup_timeout_s=180)
     terminated: list[str] = []
     with launcher, FaultyEngine(launcher.urls[0], prompts, refuse=[REFUSED], error=[FAILS], start_after=24, burst=3,
-                                stall=True, garbage=True) as faulty:
+                                stall=True, garbage=True, spare=list(TAGS)) as faulty:  # their groups fail anyway
         ledger = os.path.join(run_dir, "trained_prompts.jsonl")
 
         def garbage_prompt() -> int:

@@ -13,6 +13,10 @@ wrong with A while buckets are being sent. The bridge's `on_bucket` hook makes i
                                                      old version while it was partial
   corrupt   reload A from a different-seed model     the post-sync probe raises, naming A, the diff
             behind the bridge's back                 and the threshold
+  stall     SIGSTOP engine A (alive, silent)         A's next call gets no reply: abandoned at
+                                                     weight_sync.timeout_s (5 s here), named with the
+                                                     endpoint and the deadline; A out of service, B
+                                                     serves v1 exactly
   probe_kill  (no bucket fault) SIGKILL engine A     A is out of service ("post-sync probe"), B was
             after every bucket went out, before the  probed and serves v1 exactly; the sync does not
             post-sync probe                          raise; then v2 to B alone
@@ -39,7 +43,7 @@ from tests.conftest import memfd_links, run_tool  # noqa: E402
 FAULT_AFTER_BUCKET = 1
 CASES = [("kill", "ipc", 1, True), ("kill", "broadcast", 1, False), ("kill", "ipc", 2, False),
          ("resync", "ipc", 1, True), ("resync", "broadcast", 1, True), ("corrupt", "ipc", 1, False),
-         ("probe_kill", "ipc", 1, False)]
+         ("probe_kill", "ipc", 1, False), ("stall", "ipc", 1, False)]
 
 
 @pytest.mark.parametrize("scenario,transport,tp,fail_fast", CASES,
@@ -70,6 +74,11 @@ def test_weight_sync_fault(tiny_models, seed1_model, tmp_path, scenario: str, tr
         assert second["probe_max"] <= 1e-4
         if transport == "ipc":  # one set of two buffers (fd + the mmap's duplicate each): the old set freed
             assert out["memfds"] == 4, out
+    elif scenario == "stall":
+        assert first["raised"] is False and first["failed_urls"] == [a] and first["synced_urls"] == [b], first
+        assert a in first["errors"][a] and "no reply within 5s" in first["errors"][a], first
+        assert out["b_after_first"] == {"version": "1", "ok": True}, out
+        assert out["first_seconds"] < 60, out  # the deadline, not the 600 s default
     elif scenario == "probe_kill":
         assert first["raised"] is False, first
         assert first["failed_urls"] == [a] and first["synced_urls"] == [b], first
@@ -109,7 +118,7 @@ def _main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model-path", required=True)
     p.add_argument("--other-model", required=True)
-    p.add_argument("--scenario", choices=["kill", "resync", "corrupt", "probe_kill"], required=True)
+    p.add_argument("--scenario", choices=["kill", "resync", "corrupt", "probe_kill", "stall"], required=True)
     p.add_argument("--transport", default="ipc")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--fail-fast", action="store_true")
@@ -195,6 +204,8 @@ def _main() -> int:
         if args.scenario == "kill":
             os.kill(pids[0], signal.SIGKILL)
             wait_refused(a)
+        elif args.scenario == "stall":
+            os.kill(pids[0], signal.SIGSTOP)  # the process lives and keeps its sockets open: no reply, no reset
         elif args.scenario == "resync":
             out["a_version_while_partial"] = call(a, "get_weight_version")
             call(a, "end_weight_update")  # the server's session closes: A's next bucket is refused
@@ -214,7 +225,8 @@ def _main() -> int:
     try:
         step()
         bridge = WeightBridge(policy, urls, transport=args.transport, bucket_mb=0.05, fail_fast=args.fail_fast,
-                              on_bucket=on_bucket, timeout_s=30)  # a broadcast cut mid-sync waits this long
+                              on_bucket=on_bucket,  # a broadcast cut mid-sync waits timeout_s
+                              timeout_s=5 if args.scenario == "stall" else 30)
         if args.scenario == "probe_kill":  # A dies after its sync, before the probe reaches it
             probe = bridge.probe
 
@@ -225,7 +237,9 @@ def _main() -> int:
                     wait_refused(a)
                 return probe(targets)
             bridge.probe = kill_then_probe
+        t0 = time.monotonic()
         out["first"] = run_sync(1)
+        out["first_seconds"] = time.monotonic() - t0
         if args.scenario != "corrupt":
             out["b_after_first"] = serves(b)
         if args.scenario == "resync":
@@ -242,6 +256,8 @@ def _main() -> int:
         if rank0:
             print(json.dumps(out), flush=True)
         if launcher is not None:
+            if args.scenario == "stall":
+                os.kill(pids[0], signal.SIGCONT)  # so that it can be stopped
             launcher.__exit__(None, None, None)
         destroy_distributed()
     return code

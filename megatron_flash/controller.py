@@ -176,6 +176,8 @@ class Controller:
             if restore is not None:
                 self.buffer.restore(restore["buffer"])
             self.runtime.start_rollout(restore=restore)
+            # rollout.runner=process: from here on, stubs of the rollout process's own buffer and counters
+            self.buffer, self.staleness = self.runtime.buffer, self.runtime.staleness
         self.maybe_evaluate(self.start_step)  # before training (or where a resumed run starts)
         _install_sigterm_flag()  # after the launcher's own handler, which it chains to on a second signal
 

@@ -25,6 +25,7 @@ ADVANTAGES = ("grpo", "rloo", "reinforce")
 KL_ESTIMATORS = ("k1", "k3")
 DYNAMIC_FILTERS = ("none", "nonzero_std")  # built-ins; "module:function" names a user filter
 PAUSE_MODES = ("abort", "retract", "in_place")
+ROLLOUT_RUNNERS = ("thread", "process")
 STALE_POLICIES = ("drop", "regenerate")
 ENGINE_BACKENDS = ("cpu", "sglang", "attach")
 WEIGHT_TRANSPORTS = ("ipc", "broadcast", "disk")
@@ -388,6 +389,11 @@ class RolloutConfig(_Section):
     """Deadline of one reward call: past it the sample fails (its group is dropped and counted as
     reward_failed). With reward_workers > 0 the worker is killed and replaced; inline (0) a call cannot
     be interrupted and is only failed once it returns, so a reward that may hang needs workers."""
+    runner: str = "thread"
+    """Where the rollout loop (scheduler, engine proxy, rewards, buffer admission) runs on trainer rank 0:
+    thread (beside training, sharing its GIL) | process (a spawned process of its own; finished groups
+    come to the trainer over a pipe). Single-turn runs only; a reward registered in a script's
+    __main__ is not found there (use "module:function")."""
     max_prompt_retries: int = 3
     """A prompt whose group failed on the engines (transient errors: 5xx, timeouts, malformed replies,
     after the proxy's own retries on other engines) is re-queued at most this many times, then skipped
@@ -422,6 +428,7 @@ class RolloutConfig(_Section):
         self._require(bool(self.reward), "reward", "must be a non-empty reward name")
         self._at_least("reward_workers", 0)
         self._positive("reward_timeout_s")
+        self._one_of("runner", ROLLOUT_RUNNERS)
         self._at_least("max_prompt_retries", 0)
         self._at_least("max_resumes", 0)
         self._at_least("overlong_buffer_len", 0)
@@ -836,6 +843,9 @@ class RunConfig:
         if (rollout.overlong_buffer_len or rollout.overlong_filter) and (self.agentic.env or self.agentic.workflow):
             raise ValueError("rollout.overlong_buffer_len / rollout.overlong_filter are not built for agentic "
                              "episodes (agentic.env or workflow is set): an episode's length is not one response's")
+        if rollout.runner == "process" and (self.agentic.env or self.agentic.workflow):
+            raise ValueError("rollout.runner=process is not built for agentic episodes (agentic.env or workflow "
+                             "is set): their environments and gateway live in the trainer process; use thread")
         if self.eval.datasets and (trainer.mode != "full" or self.agentic.env or self.agentic.workflow):
             raise ValueError("eval.datasets: evaluation runs in trainer.mode=full single-turn runs "
                              "(launch/evaluate.py evaluates any checkpoint on its own)")

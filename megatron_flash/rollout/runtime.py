@@ -103,7 +103,7 @@ class RolloutRuntime:
     def __init__(self, engines: "EngineConfig", rollout: "RolloutConfig", *, run_dir: str,
                  staleness: StalenessManager, buffer: SampleBuffer, dataset: Any, tokenizer: Any, model_path: str,
                  dump_groups: bool = False, group_runner_factory: Optional[GroupRunnerFactory] = None,
-                 return_routed_experts: bool = False) -> None:
+                 return_routed_experts: bool = False, spawns: Optional[bool] = None) -> None:
         self.engines_cfg, self.rollout_cfg = engines, rollout
         self.return_routed_experts = return_routed_experts
         self.run_dir, self.staleness, self.buffer = run_dir, staleness, buffer
@@ -123,6 +123,10 @@ class RolloutRuntime:
         self._ready = threading.Event()
         self._error: Optional[BaseException] = None
         self._restore: Optional[dict[str, Any]] = None
+        # rollout.runner=process: the loop runs in a RolloutProcess, which builds a runtime of its own
+        # (spawns=False) there; `buffer` and `staleness` then become its stubs once rollout starts.
+        self.spawns = rollout.runner == "process" if spawns is None else spawns
+        self._remote: Any = None
 
     # ------------------------------------------------------------------ lifecycle
     def start_engines(self) -> list[str]:
@@ -176,6 +180,9 @@ class RolloutRuntime:
     def engine_down(self, url: str, reason: str) -> None:
         """From the launcher's supervisor thread: stop routing to `url` now (its requests are retried
         elsewhere); it comes back only at the fleet's weight version (after the next push)."""
+        if self._remote is not None:
+            self._remote.engine_down(url, reason)
+            return
         loop, proxy = self._loop, self._proxy
         if loop is not None and proxy is not None and loop.is_running():
             loop.call_soon_threadsafe(proxy.take_out, url, reason)
@@ -191,6 +198,9 @@ class RolloutRuntime:
     def start_rollout(self, restore: Optional[dict[str, Any]] = None) -> None:
         """Start the rollout thread (after the engines hold the right weights); `restore` is a
         `snapshot()` from a checkpoint: the scheduler continues from it before admitting anything."""
+        if self.spawns:
+            self._start_process(restore)
+            return
         self._restore = restore
         if self.rollout_cfg.dump_path or self.dump_groups:
             self.dump = GroupDump(self.rollout_cfg.dump_path or os.path.join(self.run_dir, "groups.jsonl"))
@@ -200,6 +210,20 @@ class RolloutRuntime:
         if self._error is not None:
             self.stop()
             raise self._error
+
+    def _start_process(self, restore: Optional[dict[str, Any]]) -> None:
+        from megatron_flash.rollout.process import RolloutProcess
+
+        if self.group_runner_factory is not None:
+            raise ValueError("rollout.runner=process runs single-turn rollout only (agentic episodes need thread)")
+        self._remote = RolloutProcess({
+            "engines": self.engines_cfg, "rollout": self.rollout_cfg, "run_dir": self.run_dir, "dataset": self.dataset,
+            "tokenizer": self.tokenizer, "model_path": self.model_path, "urls": self.urls,
+            "dump_groups": self.dump_groups, "return_routed_experts": self.return_routed_experts,
+            "alpha": self.staleness.alpha, "batch_size": self.staleness.batch_size, "extra": self.staleness.extra,
+            "version": self.staleness.version, "counters": self.staleness.snapshot(),
+            "stale_policy": self.buffer.stale_policy, "restore": restore, "parent_pid": os.getpid()})
+        self.buffer, self.staleness = self._remote.buffer, self._remote.staleness
 
     def _thread_main(self) -> None:
         try:
@@ -246,6 +270,8 @@ class RolloutRuntime:
             reward_pool.close()
 
     def stop(self) -> None:
+        if self._remote is not None:
+            self._remote.stop()
         if self.scheduler is not None:
             self.scheduler.stop()
         if self._thread is not None:
@@ -260,6 +286,9 @@ class RolloutRuntime:
     def snapshot(self) -> dict[str, Any]:
         """Rollout state for a checkpoint, taken on the loop thread (nothing moves meanwhile).
         In-flight work is not saved: its prompts are, and are generated again after a resume."""
+        if self._remote is not None:
+            return self._remote.call("runtime", "snapshot")
+
         async def snap() -> dict[str, Any]:
             return {"scheduler": self.scheduler.snapshot(), "buffer": self.buffer.snapshot()}
 
@@ -270,17 +299,24 @@ class RolloutRuntime:
         blocks the caller until done (rollout/evaluation.py)."""
         from megatron_flash.rollout.evaluation import evaluate
 
+        if self._remote is not None:
+            return self._remote.call("runtime", "evaluate", sets, settings)
         if self._loop is None or self._proxy is None or not self._loop.is_running():
             raise RuntimeError("evaluation needs the rollout loop running (start_rollout first)")
         return asyncio.run_coroutine_threadsafe(
             evaluate(self._proxy, sets, self._reward_pool, self.decode, settings), self._loop).result()
 
     def requeue(self, group: Group) -> None:
-        if self.scheduler is not None:
+        if self._remote is not None:
+            self._remote.call("runtime", "requeue", group)
+        elif self.scheduler is not None:
             self.scheduler.requeue_prompt(group)
 
     def note_sync(self, version: int, failed: dict[str, str]) -> None:
         """After a push: the proxy learns the fleet version and stops routing to failed engines."""
+        if self._remote is not None:
+            self._remote.call("runtime", "note_sync", version, failed)
+            return
         if self._loop is None or self._proxy is None or not self._loop.is_running():
             return
 
@@ -291,6 +327,11 @@ class RolloutRuntime:
 
     def take_metrics(self) -> tuple[RolloutStats, dict[str, float]]:
         """This window's rollout counters and the proxy's engine metrics; starts a new window."""
+        if self._remote is not None:  # its engine_restarts are the launcher's, which lives here
+            stats, engine = self._remote.call("runtime", "take_metrics")
+            if engine and self.launcher is not None:
+                engine["engine_restarts"] = float(len(self.launcher.restarts))
+            return stats, engine
         if self._loop is None or self.scheduler is None or not self._loop.is_running():
             return RolloutStats(), {}
 

@@ -128,7 +128,10 @@ def test_launcher_restarts_a_killed_engine_and_the_run_resyncs_it(tiny_models, t
     """The product with two launched CPU engines; engine 0 is killed (-9) mid-run. The launcher
     must start it again, the next push must send it the trainer's weights, and it must serve again
     (the proxy re-admits it only at the fleet's version). The run is long; once that is seen it is
-    stopped by SIGTERM (the pre-emption path) and must exit cleanly with no engine left behind."""
+    stopped by SIGTERM (the pre-emption path) and must exit cleanly with no engine left behind.
+    The rollout loop runs in its own process here (rollout.runner=process): the launcher and its
+    supervisor stay with the trainer and reach the proxy over the event pipe; the other restart tests
+    cover the thread runner."""
 
     from tests.conftest import REPO
 
@@ -138,7 +141,8 @@ def test_launcher_restarts_a_killed_engine_and_the_run_resyncs_it(tiny_models, t
             f"model.hf_path={tiny_models['llama']}", f"logging.dir={run_dir}", "trainer.total_steps=100000",
             "trainer.global_batch_size=16", "trainer.micro_batch_size=16", "rollout.n_samples_per_prompt=4",
             "engines.num_engines=2", f"engines.base_port={port}", "engines.max_restarts=1",
-            "logging.wandb_mode=disabled", "logging.tensorboard=false", "async_rl.alpha=1"]
+            "logging.wandb_mode=disabled", "logging.tensorboard=false", "async_rl.alpha=1",
+            "rollout.runner=process"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
     shm_before = set(os.listdir("/dev/shm"))
     proc = subprocess.Popen([sys.executable] + args, cwd=REPO, env=env, stdout=subprocess.PIPE,

@@ -305,6 +305,7 @@ ENUMS = [
     ("optimizer.lr_decay_style", schema.LR_DECAY_STYLES), ("loss.aggregation", schema.AGGREGATIONS),
     ("loss.advantage", schema.ADVANTAGES), ("loss.kl_estimator", schema.KL_ESTIMATORS),
     ("rollout.dynamic_filter", schema.DYNAMIC_FILTERS), ("rollout.pause_mode", schema.PAUSE_MODES),
+    ("rollout.runner", schema.ROLLOUT_RUNNERS),
     ("async_rl.stale_policy", schema.STALE_POLICIES), ("engines.backend", schema.ENGINE_BACKENDS),
     ("weight_sync.transport", schema.WEIGHT_TRANSPORTS), ("logging.wandb_mode", schema.WANDB_MODES),
 ]
@@ -407,6 +408,8 @@ def test_recipe_fields_are_refused_where_they_would_do_nothing() -> None:
     assert "rollout.overlong_buffer_len" in _error(QUICKSTART, ["rollout.overlong_buffer_len=8"])  # = max_new_tokens
     assert "not built for agentic episodes" in _error(
         REPO_ROOT / "configs" / "agentic_frozenlake_cpu.yaml", ["rollout.overlong_filter=true"])
+    assert "rollout.runner=process is not built for agentic episodes" in _error(
+        REPO_ROOT / "configs" / "agentic_frozenlake_cpu.yaml", ["rollout.runner=process"])
     cfg = load_config(QUICKSTART, ["loss.name=gspo", "loss.aggregation=seq_mean_token_sum_norm",
                                    "loss.aggregation_norm=16", "checkpoint.save_hf_interval=5"])
     assert cfg.loss.aggregation_norm == 16 and cfg.checkpoint.save_hf_interval == 5

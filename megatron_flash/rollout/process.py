@@ -1,0 +1,204 @@
+"""The rollout loop in a process of its own (`rollout.runner=process`).
+
+In thread mode the scheduler, the engine proxy, reply parsing, rewards and buffer admission run as an
+asyncio thread of trainer rank 0: they share its GIL and slow training down (docs/benchmarks.md). Here
+a spawned process holds all of them — its own StalenessManager, SampleBuffer and RolloutRuntime in
+thread mode — and the trainer keeps only stubs that forward the few calls it makes:
+
+    trainer rank 0                                  rollout process
+    buffer.take_batch(n, timeout_s)   ── pipe ──►   SampleBuffer.take_batch → whole groups back
+    staleness.set_version / snapshot / take_drop_lengths
+    runtime.snapshot / evaluate / note_sync / take_metrics / stop
+    runtime.engine_down (launcher's supervisor) ─ event pipe ─► proxy.take_out
+
+The engines (launcher, restarts) stay with the trainer. Calls go one at a time (a lock); only the
+supervisor's engine-down notes use the second, one-way pipe, so they never wait behind a take_batch.
+The process ignores SIGTERM/SIGINT (a pre-empted job signals every process; the trainer must still be
+able to take a checkpoint snapshot) and gets SIGKILL when the trainer dies (PR_SET_PDEATHSIG). If it
+dies, the next call raises: `BufferClosed` for take_batch (the trainer stops and saves), RuntimeError
+otherwise, naming the process and its exit code.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+from typing import Any, Optional
+
+from megatron_flash.buffer.sample_buffer import BufferClosed
+
+logger = logging.getLogger(__name__)
+STARTUP_TIMEOUT_S = 300.0
+"""Spawning the process, importing torch and transformers there and starting the loop."""
+
+
+def _picklable(error: Optional[BaseException]) -> Optional[BaseException]:
+    if error is None:
+        return None
+    try:
+        pickle.dumps(error)
+        return error
+    except Exception:  # noqa: BLE001 - any unpicklable error becomes its text
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+class _Stub:
+    """`target.method(...)` in the rollout process, for the methods listed."""
+
+    def __init__(self, remote: "RolloutProcess", target: str, methods: tuple[str, ...]) -> None:
+        self._remote, self._target, self._methods = remote, target, methods
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in self._methods:
+            raise AttributeError(f"{self._target}.{name} is not available across the rollout process")
+        return lambda *args, **kwargs: self._remote.call(self._target, name, *args, **kwargs)
+
+
+class RolloutProcess:
+    """Starts the process from `spec` (see `child_main`) and waits until its loop runs."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        events_in, self._events = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=child_main, args=(child_conn, events_in, spec), name="mf-rollout")
+        self.proc.start()
+        child_conn.close()
+        events_in.close()
+        self._lock = threading.Lock()
+        if not self._conn.poll(STARTUP_TIMEOUT_S):
+            self.proc.kill()
+            raise RuntimeError(f"the rollout process did not start within {STARTUP_TIMEOUT_S:.0f} s")
+        self._result(self._recv())
+        self.buffer = _Stub(self, "buffer", ("take_batch",))
+        self.staleness = _Stub(self, "staleness", ("set_version", "snapshot", "take_drop_lengths"))
+        logger.info("rollout loop in process %d", self.proc.pid)
+
+    def died(self) -> str:
+        self.proc.join(timeout=5)
+        return f"the rollout process (pid {self.proc.pid}) died (exit code {self.proc.exitcode})"
+
+    def _recv(self) -> tuple:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError) as e:
+            raise RuntimeError(self.died()) from e
+
+    @staticmethod
+    def _result(reply: tuple) -> Any:
+        kind, value, cause = reply
+        if kind == "err":
+            if cause is not None:
+                value.__cause__ = cause
+            raise value
+        return value
+
+    def call(self, target: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            try:
+                self._conn.send((target, method, args, kwargs))
+                reply = self._recv()
+            except (RuntimeError, OSError) as e:
+                if target == "buffer":  # the trainer's batch wait: it stops the run and saves
+                    raise BufferClosed(self.died()) from e
+                raise RuntimeError(self.died()) from e
+        return self._result(reply)
+
+    def engine_down(self, url: str, reason: str) -> None:
+        try:
+            self._events.send((url, reason))
+        except OSError:
+            pass  # the process is gone: the next call says so
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("runtime", "stop")
+            except RuntimeError as e:
+                logger.warning("rollout process stop: %s", e)
+        self.proc.join(timeout=timeout_s)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=10)
+        self._conn.close()
+        self._events.close()
+
+
+# ---------------------------------------------------------------------------------- the process
+def child_main(conn: Any, events: Any, spec: dict[str, Any]) -> None:
+    _die_with_parent(spec["parent_pid"])
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
+    try:
+        targets = _build(spec)
+    except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises it
+        conn.send(("err", _picklable(e), _picklable(e.__cause__)))
+        return
+    runtime = targets["runtime"]
+    conn.send(("ok", os.getpid(), None))
+    threading.Thread(target=_forward_events, args=(events, runtime), daemon=True, name="engine-events").start()
+    while True:
+        try:
+            target, method, args, kwargs = conn.recv()
+        except (EOFError, OSError):  # the trainer is gone
+            runtime.stop()
+            return
+        try:
+            value = getattr(targets[target], method)(*args, **kwargs)
+            reply = ("ok", value, None)
+        except BaseException as e:  # noqa: BLE001 - the trainer gets it
+            reply = ("err", _picklable(e), _picklable(e.__cause__))
+        conn.send(reply)
+        if (target, method) == ("runtime", "stop"):
+            return
+
+
+def _build(spec: dict[str, Any]) -> dict[str, Any]:
+    from megatron_flash.buffer.sample_buffer import SampleBuffer
+    from megatron_flash.buffer.staleness import StalenessManager
+    from megatron_flash.rollout.runtime import RolloutRuntime
+
+    staleness = StalenessManager(alpha=spec["alpha"], batch_size=spec["batch_size"], extra=spec["extra"])
+    staleness.set_version(spec["version"])
+    holder: dict[str, Any] = {}
+    regenerate = spec["stale_policy"] == "regenerate"
+    buffer = SampleBuffer(staleness, stale_policy=spec["stale_policy"],
+                          on_evict=lambda g: holder["runtime"].requeue(g) if regenerate else None)
+    restore = spec["restore"]
+    if restore is not None:
+        buffer.restore(restore["buffer"])
+    staleness.counters = spec["counters"]  # the trainer's, which already count the restored groups
+    runtime = RolloutRuntime(spec["engines"], spec["rollout"], run_dir=spec["run_dir"], staleness=staleness,
+                             buffer=buffer, dataset=spec["dataset"], tokenizer=spec["tokenizer"],
+                             model_path=spec["model_path"], dump_groups=spec["dump_groups"],
+                             return_routed_experts=spec["return_routed_experts"], spawns=False)
+    holder["runtime"] = runtime
+    runtime.urls = list(spec["urls"])
+    runtime.start_rollout(restore=restore)
+    return {"runtime": runtime, "buffer": buffer, "staleness": staleness}
+
+
+def _forward_events(events: Any, runtime: Any) -> None:
+    while True:
+        try:
+            url, reason = events.recv()
+        except (EOFError, OSError):
+            return
+        runtime.engine_down(url, reason)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL when the trainer dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the trainer died before the signal was armed
+        os._exit(1)

@@ -99,7 +99,7 @@ _ALLOWED_GLOBALS = {
     ("builtins", n) for n in ("bool", "bytearray", "bytes", "complex", "dict", "float", "frozenset", "int", "list",
                               "range", "set", "slice", "str", "tuple")
 } | {
-    ("collections", "OrderedDict"), ("copyreg", "__newobj__"), ("_codecs", "encode"),
+    ("collections", "OrderedDict"), ("copyreg", "__newobj__"), ("_codecs", "encode"), ("types", "SimpleNamespace"),
     ("multiprocessing.resource_sharer", "DupFd"), ("torch", "Size"), ("torch", "device"), ("torch", "dtype"),
     ("torch", "Tensor"), ("torch.nn.parameter", "Parameter"), ("torch.storage", "UntypedStorage"),
     ("torch.storage", "TypedStorage"), ("torch", "UntypedStorage"), ("torch.serialization", "_get_layout"),

@@ -13,10 +13,11 @@ receiver process holds its own preallocated tensors of the same names, as an eng
 it is timed from the first byte handled to the receiver's last acknowledgement.
 
   ipc  --ipc-mode fresh   the pickled path of the ipc transport (what SGLang engines get): each
-                          bucket's tensors go through ForkingPickler (file_system strategy), which
-                          moves every storage into a *new* shared-memory segment; the receiver
-                          unpickles (the CPU engine's allowlist unpickler), maps each segment and
-                          copies into its tensors.
+                          bucket is copied into one flat tensor per dtype (flattened_bucket) and
+                          goes through ForkingPickler (file_system strategy), which moves that
+                          storage into a *new* shared-memory segment; the receiver unpickles (the
+                          CPU engine's allowlist unpickler), maps the segment and copies into its
+                          tensors.
        --ipc-mode staged  the staged path (what the local engine gets): the transport's own
                           SharedBuffers + Stager (weight_sync/transports/shared_buffers.py):
                           --num-buffers persistent memfd buffers of min(--bucket-mb, state), pages
@@ -201,7 +202,7 @@ def receiver_main(conn: Any, shapes: list[tuple[str, tuple[int, ...], str]], tra
     import torch.multiprocessing as mp
 
     from megatron_flash.engines.shared_weights import SharedBufferMaps, copy_pieces
-    from megatron_flash.engines.weight_payloads import safe_deserialize
+    from megatron_flash.engines.weight_payloads import read_tensor_payload
 
     torch.set_num_threads(1)
     mp.set_sharing_strategy("file_system")
@@ -217,8 +218,8 @@ def receiver_main(conn: Any, shapes: list[tuple[str, tuple[int, ...], str]], tra
         kind, *body = conn.recv()
         if kind == "begin":
             probe = PeakProbe()
-        elif kind == "fresh":  # bridge.py / CPU engine: unpickle the bucket, copy each tensor
-            for name, t in safe_deserialize(body[0]):
+        elif kind == "fresh":  # bridge.py / CPU engine: unpickle the flattened bucket, copy each tensor
+            for name, t in read_tensor_payload(body[0], "flattened_bucket"):
                 tensors[name].copy_(t)
             conn.send(("ack",))
         elif kind == "staged":  # the local engine's receiving side: buffers mapped once, pieces copied out
@@ -301,9 +302,14 @@ class Sender:
             else:
                 from multiprocessing.reduction import ForkingPickler
 
-                buf = io.BytesIO()
-                ForkingPickler(buf).dump(bucket)  # moves each storage into a new shared-memory segment
-                self.conn.send(("fresh", base64.b64encode(buf.getvalue()).decode()))
+                from megatron_flash.weight_sync.transports.ipc import flatten_by_dtype
+
+                for flat, metadata in flatten_by_dtype(bucket, shared=True):  # as the bridge: one shared copy per dtype
+                    buf = io.BytesIO()
+                    ForkingPickler(buf).dump({"flattened_tensor": flat, "metadata": metadata})  # a new segment
+                    self.conn.send(("fresh", base64.b64encode(buf.getvalue()).decode()))
+                    self._wait_ack()  # bridge: one blocking request per bucket and dtype
+                continue
             self._wait_ack()  # bridge: one blocking request per bucket
         return None
 

@@ -5,8 +5,9 @@ Two ways, chosen per engine:
             engine): CPU staging in the sender's persistent shared buffers, two filled and read
             alternately, mapped once by each engine (shared_buffers.py). A new buffer set is made
             when the engine set changes (an engine lost or readmitted); the old one is freed.
-  pickled   every other engine (SGLang): each bucket pickled with torch's ForkingPickler (CUDA IPC
-            handles on GPU, shared-memory files on CPU with the `file_system` strategy) and POSTed to
+  pickled   every other engine (SGLang): each bucket flattened into one host tensor per dtype
+            (SGLang's `flattened_bucket` load format), pickled with torch's ForkingPickler (a
+            shared-memory file with the `file_system` strategy) and POSTed to
             /update_weights_from_tensor, one copy of the payload per engine TP rank.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import io
+from types import SimpleNamespace
 from typing import ClassVar, Optional, Sequence
 
 import torch
@@ -97,14 +99,48 @@ class IpcTransport(StreamingTransport):
         import torch.multiprocessing as mp
         from multiprocessing.reduction import ForkingPickler
 
-        # Private copies: ForkingPickler moves a CPU storage into a shared-memory file for good, and an
-        # engine that opened the file and died takes its name with it (every later send of the trainer's
-        # own storage would fail).
-        bucket = [(name, torch.empty(t.shape, dtype=t.dtype).copy_(t)) for name, t in bucket]  # in host memory
         mp.set_sharing_strategy("file_system")  # file_descriptor sharing crashes SGLang's scheduler
-        buf = io.BytesIO()
-        ForkingPickler(buf).dump(bucket)
-        payload = [base64.b64encode(buf.getvalue()).decode()] * self.ctx.engine_tp_size
-        # `bucket` stays referenced until every engine answered: the shared-memory files live until then.
-        return self.ctx.calls.fan(f"{step} (update_weights_from_tensor)", urls, lambda c: c.update_weights_from_tensor(
-            payload, load_format=None, flush_cache=False, weight_version=None))[1]
+        errors: Errors = {}
+        for flat, metadata in flatten_by_dtype(bucket, shared=True):
+            buf = io.BytesIO()
+            ForkingPickler(buf).dump({"flattened_tensor": flat, "metadata": metadata})
+            payload = [base64.b64encode(buf.getvalue()).decode()] * self.ctx.engine_tp_size
+            live = [u for u in urls if u not in errors]
+            # `flat` stays referenced until every engine answered: its shared-memory file lives until then.
+            errors.update(self.ctx.calls.fan(f"{step} (update_weights_from_tensor)", live,
+                                             lambda c: c.update_weights_from_tensor(
+                                                 payload, load_format="flattened_bucket", flush_cache=False,
+                                                 weight_version=None))[1])
+        return errors
+
+
+def flatten_by_dtype(bucket: Bucket, *, shared: bool = False) -> list[tuple[torch.Tensor, list[SimpleNamespace]]]:
+    """SGLang's `flattened_bucket` load format: per dtype, one uint8 tensor holding the bucket's tensors of
+    that dtype back to back, and per tensor (name, shape, dtype, start_idx, end_idx, numel) in bytes.
+
+    One tensor per dtype means one shared-memory file per bucket (one CUDA IPC handle on GPU) instead of
+    one per tensor, and no byte offset is ever misaligned for its dtype. The flat tensor is a private
+    host copy: ForkingPickler moves a CPU storage into a shared-memory file for good, and an engine that
+    opened the file and died takes its name with it (a later send of the same storage would fail).
+    `shared`: the flat tensor is allocated in shared memory of the current sharing strategy, so that
+    pickling it copies nothing more (one copy of the bucket instead of two, and no private pages).
+    The metadata are SimpleNamespaces, which SGLang's (and the local engine's) safe unpickler admit and
+    read by attribute, so the trainer needs no SGLang import."""
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in bucket:
+        by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
+    out = []
+    for dtype, named in by_dtype.items():
+        nbytes = sum(t.numel() for _, t in named) * dtype.itemsize
+        flat = torch.empty(0 if shared else nbytes, dtype=torch.uint8)
+        if shared:
+            flat.set_(torch.UntypedStorage._new_shared(nbytes))
+        metadata, offset = [], 0
+        for name, tensor in named:
+            size = tensor.numel() * dtype.itemsize
+            flat[offset:offset + size].view(dtype).view(tensor.shape).copy_(tensor)
+            metadata.append(SimpleNamespace(name=name, shape=tensor.shape, dtype=dtype, start_idx=offset,
+                                            end_idx=offset + size, numel=size))
+            offset += size
+        out.append((flat, metadata))
+    return out

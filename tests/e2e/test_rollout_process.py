@@ -11,7 +11,6 @@ their own, the trainer taking whole groups over a pipe. The semantics are the th
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -21,6 +20,7 @@ import time
 
 from megatron_flash.ports import free_ports
 from tests.conftest import REPO
+from tests.e2e.test_resume import assert_no_orphan, rows
 
 N, PROMPTS_PER_STEP, ALPHA, STEPS = 4, 4, 1, 8
 DROPS = ("dropped_stale", "regenerated_stale", "dropped_filtered", "reward_failed", "dropped_error",
@@ -35,13 +35,6 @@ def command(model: str, run_dir: str, port: int, *extra: str) -> list[str]:
             "logging.wandb_mode=disabled", "logging.tensorboard=false", "data.shuffle=false",
             "rollout.reward=tests.e2e.toy_rewards:digit_fraction", "rollout.runner=process",
             f"checkpoint.save_dir={run_dir}/ckpt", "checkpoint.resume=true", *extra]
-
-
-def rows(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def rollout_pid(log_text: str) -> int:
@@ -101,8 +94,6 @@ def test_process_runner_keeps_alpha_accounting_preemption_and_resume(tiny_models
 
 
 def test_a_killed_rollout_process_stops_the_run_naming_it(tiny_models, tmp_path) -> None:
-    from tests.e2e.test_resume import assert_no_orphan
-
     run_dir, port = str(tmp_path / "run"), free_ports(1)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "PYTHONWARNINGS": "ignore"}
     log_path = tmp_path / "run.log"

@@ -118,7 +118,7 @@ def flatten_by_dtype(bucket: Bucket, *, shared: bool = False) -> list[tuple[torc
     """SGLang's `flattened_bucket` load format: per dtype, one uint8 tensor holding the bucket's tensors of
     that dtype back to back, and per tensor (name, shape, dtype, start_idx, end_idx, numel) in bytes.
 
-    One tensor per dtype means one shared-memory file per bucket (one CUDA IPC handle on GPU) instead of
+    One tensor per dtype means one shared-memory file per bucket (what one CUDA IPC handle would carry) instead of
     one per tensor, and no byte offset is ever misaligned for its dtype. The flat tensor is a private
     host copy: ForkingPickler moves a CPU storage into a shared-memory file for good, and an engine that
     opened the file and died takes its name with it (a later send of the same storage would fail).

@@ -102,10 +102,11 @@ class RolloutProcess:
             try:
                 self._conn.send((target, method, args, kwargs))
                 reply = self._recv()
-            except (RuntimeError, OSError) as e:
-                if target == "buffer":  # the trainer's batch wait: it stops the run and saves
-                    raise BufferClosed(self.died()) from e
-                raise RuntimeError(self.died()) from e
+            except (RuntimeError, OSError) as e:  # EOF on the reply, or a broken pipe on the request
+                message = self.died()
+                if target == "buffer":  # the trainer's batch wait: it stops the run, naming the cause
+                    raise BufferClosed(message) from RuntimeError(message)
+                raise RuntimeError(message) from e
         return self._result(reply)
 
     def engine_down(self, url: str, reason: str) -> None:

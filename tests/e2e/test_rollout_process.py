@@ -15,26 +15,21 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 from megatron_flash.ports import free_ports
 from tests.conftest import REPO
-from tests.e2e.test_resume import assert_no_orphan, rows
+from tests.e2e.test_resume import ALPHA, N, PROMPTS_PER_STEP, assert_no_orphan, rows
+from tests.e2e.test_resume import command as resume_command
 
-N, PROMPTS_PER_STEP, ALPHA, STEPS = 4, 4, 1, 8
+STEPS = 8
 DROPS = ("dropped_stale", "regenerated_stale", "dropped_filtered", "reward_failed", "dropped_error",
          "samples_cancelled", "samples_skipped")
 
 
 def command(model: str, run_dir: str, port: int, *extra: str) -> list[str]:
-    return [sys.executable, "launch/pretrain_async_rl.py", "--config", "configs/quickstart_cpu.yaml",
-            f"model.hf_path={model}", f"logging.dir={run_dir}", f"trainer.total_steps={STEPS}",
-            f"trainer.global_batch_size={PROMPTS_PER_STEP * N}", f"trainer.micro_batch_size={PROMPTS_PER_STEP * N}",
-            f"rollout.n_samples_per_prompt={N}", f"async_rl.alpha={ALPHA}", f"engines.base_port={port}",
-            "logging.wandb_mode=disabled", "logging.tensorboard=false", "data.shuffle=false",
-            "rollout.reward=tests.e2e.toy_rewards:digit_fraction", "rollout.runner=process",
-            f"checkpoint.save_dir={run_dir}/ckpt", "checkpoint.resume=true", *extra]
+    """test_resume's run (α = 1, 16-sample steps, checkpoint every step), shorter, with the process runner."""
+    return resume_command(model, run_dir, port, f"trainer.total_steps={STEPS}", "rollout.runner=process", *extra)
 
 
 def rollout_pid(log_text: str) -> int:

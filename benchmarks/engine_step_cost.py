@@ -9,6 +9,9 @@ costs: step(k) = (T(k, long) − T(k, short)) / (long − short) is one decode s
 per_request(k) = (T(k, short) − short · step(k)) / k is what each request costs besides its decode
 steps (HTTP, admission, prefill, the client), per request when k run together.
 Last line: JSON {"step_s": {k: s}, "per_request_s": {k: s}} — `tools/validate_planner.py` reads it.
+Beside each k, the engine's own per-step split over those runs (`step_profile`, engines/step_profile.py):
+the whole loop pass, the generation step (forward, sampler, outputs to the host), our sampler alone, and
+the host-side scheduling and bookkeeping around the step — where a fixed per-step cost shows.
 
 `--loop-k 4,8,16` adds a closed loop per k, the way a rollout feeds an engine: k workers, each sending
 its next request the moment its previous one returns, until --loop-requests requests are done, for
@@ -45,6 +48,12 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+
+def step_profile(url: str) -> dict:
+    import requests
+
+    return requests.get(f"{url}/get_server_info", timeout=30).json().get("step_profile") or {"steps": 0}
 
 
 async def timed(url: str, k: int, length: int) -> float:
@@ -113,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from benchmarks.benchlib import env, free_ports
+    from megatron_flash.engines.step_profile import per_step
     from megatron_flash.engines.launcher import EngineLauncher
 
     work = tempfile.mkdtemp(prefix="mf_step_cost_")
@@ -135,17 +145,22 @@ def main(argv: list[str] | None = None) -> int:
                                            "device": args.device,
                                            "dtype": args.dtype or ("float32" if args.device == "cpu" else "bfloat16")},
                               env={"OMP_NUM_THREADS": "1"})
-    step, per_req = {}, {}
+    step, per_req, phases = {}, {}, {}
     with launcher:
         url = launcher.urls[0]
         asyncio.run(timed(url, 4, 8))  # warm-up
         for k in ks:
+            before = step_profile(url)
             t = {L: statistics.median(asyncio.run(timed(url, k, L)) for _ in range(args.repeats))
                  for L in (args.short, args.long)}
             step[k] = (t[args.long] - t[args.short]) / (args.long - args.short)
             per_req[k] = max(0.0, t[args.short] - args.short * step[k]) / k
+            phases[k] = per_step(before, step_profile(url)) if before.get("installed") else {"steps": 0}
+            split = "" if not phases[k]["steps"] else (
+                " | engine per step: loop {loop_s:.2e} s = step {step_s:.2e} (sampler {sampler_s:.2e}) + host "
+                "{host_s:.2e}".format(**phases[k]))
             print(f"k={k:>3}: T({args.short})={t[args.short]:.3f} s T({args.long})={t[args.long]:.3f} s → "
-                  f"step {step[k] * 1e3:.2f} ms, per request {per_req[k] * 1e3:.2f} ms", flush=True)
+                  f"step {step[k] * 1e3:.2f} ms, per request {per_req[k] * 1e3:.2f} ms{split}", flush=True)
         loop: dict[str, dict[str, float]] = {}
         pid, n = launcher.pids[0], args.loop_requests
         for k, m, plen in [(k, m, q) for k in loop_ks for m in loop_ns for q in loop_ps]:
@@ -171,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"num_layers": args.num_layers, "hidden_size": args.hidden_size,
                       "step_s": {str(k): round(v, 6) for k, v in step.items()},
                       "per_request_s": {str(k): round(v, 6) for k, v in per_req.items()}, "closed_loop": loop,
+                      "step_profile": {str(k): {key: round(v, 7) for key, v in row.items()}
+                                       for k, row in phases.items()},
                       "load_avg_1m": os.getloadavg()[0]}))
     return 0
 

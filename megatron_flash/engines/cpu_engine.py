@@ -42,6 +42,7 @@ from megatron_flash.engines.cpu_engine_updates import EngineUpdates
 from megatron_flash.engines.routed_experts import RouteRecorder, encoded_routes
 from megatron_flash.engines.shared_weights import SharedBufferMaps
 from megatron_flash.engines.sampling import SamplingSpec, sample_rows
+from megatron_flash.engines.step_profile import StepProfile
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +226,7 @@ class CpuEngine(EngineUpdates):
             use_async_batching=False, use_cuda_graph=False, return_logprobs=False, seed=seed,
         )
 
+        self.step_profile = StepProfile()
         self.route_recorder = RouteRecorder(self.model, self._routes_of)
         recorder = self.route_recorder
 
@@ -241,6 +243,7 @@ class CpuEngine(EngineUpdates):
             processors = _Processors(LogitsProcessorList([_make_sampler_processor(self)]))
             processors.tensors_required = 1  # one int32 row of per-request arguments (unused; rows come from prepare)
             manager.logit_processor = processors
+            self.step_profile.install(manager)
             manager.start()
             return manager
 
@@ -254,6 +257,13 @@ class CpuEngine(EngineUpdates):
     # ------------------------------------------------------------------ CB thread: sampling
     @torch.no_grad()
     def _sample_step(self, cb_ids: list[str], scores: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        try:
+            return self._sample_and_record(cb_ids, scores)
+        finally:
+            self.step_profile.add_sampler(time.perf_counter() - started)
+
+    def _sample_and_record(self, cb_ids: list[str], scores: torch.Tensor) -> torch.Tensor:
         with self._lock:
             reqs = [self._by_cb_id.get(cb_id) for cb_id in cb_ids]
         specs = [None if r is None else r.spec for r in reqs]

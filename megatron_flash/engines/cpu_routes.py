@@ -84,7 +84,7 @@ async def server_info(request: Request) -> dict:
             "num_live_requests": len(engine._live),
             "weight_update_shared_memory": True,  # /update_weights_from_shared_memory (staged ipc)
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
-            **engine.memory_bytes()}
+            "step_profile": engine.step_profile.snapshot(), **engine.memory_bytes()}
 
 
 # ---------------------------------------------------------------- generation

@@ -1,0 +1,79 @@
+"""Where a decode step of the local engine spends its time: cumulative wall seconds per phase of
+transformers' continuous-batching loop, read from /get_server_info (`step_profile`).
+
+    one CB loop pass with work ─┬─ host: prepare_next_batch (scheduling, new requests, input tensors)
+                                ├─ step: _generation_step = forward + logits processors (our sampler,
+                                │        timed apart as `sampler_s`) + outputs copied to the host
+                                │        (on a GPU this copy waits for the device: step ≈ device time)
+                                └─ host: update_batch (token bookkeeping, finished requests out)
+
+Why: on a GPU the decode step of this engine is flat in the batch size but far above a plain
+`generate` step, so a fixed per-step cost lives somewhere in this loop; these sums say which phase
+holds it (benchmarks/engine_step_cost.py prints them per step). Idle passes (no request) are not
+counted. The hooks wrap two methods of transformers' manager (private API, checked at install: a
+transformers without them serves as before, with `step_profile.installed` false).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+
+class StepProfile:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.installed = False
+        self.steps = 0
+        self.loop_s = 0.0  # whole passes that ran a step
+        self.step_s = 0.0  # _generation_step
+        self.sampler_s = 0.0  # our logits processor, inside the step
+
+    def install(self, manager: Any) -> None:
+        body = getattr(manager, "_generation_loop_body", None)
+        step = getattr(manager, "_generation_step", None)
+        if not callable(body) or not callable(step):
+            return
+
+        def timed_step(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.steps += 1
+                    self.step_s += time.perf_counter() - t0
+
+        def timed_body(*args: Any, **kwargs: Any) -> Any:
+            t0, before = time.perf_counter(), self.steps
+            try:
+                return body(*args, **kwargs)
+            finally:
+                if self.steps != before:
+                    with self._lock:
+                        self.loop_s += time.perf_counter() - t0
+
+        manager._generation_step, manager._generation_loop_body = timed_step, timed_body
+        self.installed = True
+
+    def add_sampler(self, seconds: float) -> None:
+        with self._lock:
+            self.sampler_s += seconds
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"installed": self.installed, "steps": self.steps, "loop_s": round(self.loop_s, 6),
+                    "step_s": round(self.step_s, 6), "sampler_s": round(self.sampler_s, 6),
+                    "host_s": round(self.loop_s - self.step_s, 6)}
+
+
+def per_step(before: dict, after: dict) -> dict:
+    """Mean seconds per step of each phase between two snapshots (None where no step ran)."""
+    steps = after["steps"] - before["steps"]
+    if steps <= 0:
+        return {"steps": 0}
+    out: dict = {"steps": steps}
+    for key in ("loop_s", "step_s", "sampler_s", "host_s"):
+        out[key] = (after[key] - before[key]) / steps
+    return out

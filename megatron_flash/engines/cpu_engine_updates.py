@@ -226,6 +226,9 @@ class EngineUpdates:
         with torch.no_grad():
             for target, (_, tensor) in zip(targets, named):
                 target.copy_(tensor.to(dtype=target.dtype, device=target.device))
+        # A sender reuses its CUDA buffers once this update is answered: every copy must be done by then.
+        for device in {t.device for _, t in named if t.is_cuda} | {t.device for t in targets if t.is_cuda}:
+            torch.cuda.synchronize(device)
 
     def load_from_disk(self, model_path: str, load_format: str | None) -> str:
         self.load_named_tensors(weight_payloads.read_disk_weights(model_path, load_format))

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from megatron_flash.engines.cuda_handles import rebuild_cuda_tensor_by_uuid
+
 
 def read_disk_weights(model_path: str, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
     from safetensors.torch import load_file
@@ -32,6 +34,8 @@ def read_disk_weights(model_path: str, load_format: str | None) -> list[tuple[st
 
 
 def read_tensor_payload(payload: bytes, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of a pickled payload; CUDA tensors are mappings of the trainer's memory,
+    valid while they are referenced (copy them, then let go)."""
     data = safe_deserialize(payload)
     if load_format == "flattened_bucket":
         flat, metadata = data["flattened_tensor"], data["metadata"]
@@ -116,6 +120,8 @@ _STAND_INS = {
     ("sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor"):
         LocalSerializedTensor,
     ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): LocalSerializedTensor,
+    # CUDA IPC handles (the trainer's flat device buffers): the device arrives as a UUID (cuda_handles.py)
+    (_TORCH_MP, "rebuild_cuda_tensor"): rebuild_cuda_tensor_by_uuid,
 }
 
 

@@ -5,6 +5,8 @@
     python tools/weight_sync/bench.py --transport broadcast --model-path runs/quickstart/tiny_model
     python tools/weight_sync/bench.py --engine --transport ipc --size-mb 256             # WeightBridge → CPU server
     python tools/weight_sync/bench.py --mode stream-memory --size-mb 256 --bucket-mb 16  # hf_buckets peak memory
+    python tools/weight_sync/bench.py --device cuda --size-mb 1024 --bucket-mb 256   # GPU tensors → GPU tensors
+    python tools/weight_sync/bench.py --device cuda --engine --size-mb 1024          # GPU trainer → engine on the GPU
 
 Transport mode (default): the sender holds a state of HF-named fp32 tensors (a fake Llama of
 ≈ --size-mb, or the tensors of --model-path) in ordinary memory, as `hf_buckets` produces them; a
@@ -29,6 +31,15 @@ it is timed from the first byte handled to the receiver's last acknowledgement.
                           the receiver's tensors.
   disk                    safetensors files (one per bucket) in --disk-dir, then the receiver loads
                           each file and copies into its tensors (bridge: export, then load).
+
+--device cuda (ipc only): the sender's state and the receiver's tensors live on the GPU (one GPU
+serves both processes). `--ipc-mode staged` is the transport's CUDA path (weight_sync/transports/
+cuda_ipc.py): each bucket copied into one of two persistent flat device buffers, one CUDA IPC handle
+per bucket and dtype, device named by UUID, the receiver copies out and synchronizes before its ack;
+`--ipc-mode fresh` pickles every tensor of a bucket as its own CUDA IPC handle (the per-tensor way).
+memcpy is then a device-to-device copy of the same bytes (synchronized), and peak_extra_mb the
+sender's peak CUDA allocation over the sync. With --engine, `--engine-device` puts the engine on the
+GPU (default: --device) or on the CPU (the staged host path).
 
 The same run measures this machine's memcpy (`dst.copy_(src)` of the state's size, one sample
 right before each sync) and reports gbps = state bytes / median sync seconds, ratio_to_memcpy
@@ -166,23 +177,54 @@ def bucket_plan(state: dict[str, Any], bucket_bytes: int) -> list[list[str]]:
     return plan + ([current] if current else [])
 
 
+def device_sync(device: Any) -> Any:
+    """A callable that waits for the device's queued work (nothing to wait for on the CPU)."""
+    import torch
+
+    device = torch.device(device)
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+class DevicePeak:
+    """Peak CUDA allocation of this process over a region, in MB (the host probe misses device memory)."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.device = torch.device(device)
+        self.before = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.before = torch.cuda.memory_allocated(self.device)
+
+    def extra_mb(self) -> Optional[float]:
+        import torch
+
+        if self.device.type != "cuda":
+            return None
+        return round((torch.cuda.max_memory_allocated(self.device) - self.before) / MB, 1)
+
+
 class Memcpy:
     """This machine's copy bandwidth for `nbytes` (`dst.copy_(src)`, one thread, pages already
     present), sampled right before every sync so both see the same load on a shared box: the
     ratio compares the median sync with the median of these samples."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, device: str = "cpu") -> None:
         import torch
 
-        self.nbytes = nbytes
-        self.src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-        self.dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+        self.nbytes, self.device = nbytes, torch.device(device)
+        self.src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+        self.dst = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(0)
         self.dst.copy_(self.src)  # warm-up
         self.seconds: list[float] = []
 
     def sample(self) -> None:
+        sync = device_sync(self.device)
+        sync()
         t0 = time.perf_counter()
         self.dst.copy_(self.src)
+        sync()
         self.seconds.append(time.perf_counter() - t0)
 
     def gbps(self) -> float:
@@ -206,7 +248,9 @@ def receiver_main(conn: Any, shapes: list[tuple[str, tuple[int, ...], str]], tra
 
     torch.set_num_threads(1)
     mp.set_sharing_strategy("file_system")
-    tensors = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, s, d in shapes}  # zeros: pages exist
+    device = options.get("device", "cpu")
+    sync = device_sync(device)
+    tensors = {n: torch.zeros(s, dtype=getattr(torch, d), device=device) for n, s, d in shapes}  # pages exist
     group, maps, probe = None, SharedBufferMaps(), None
     if transport == "broadcast":
         from megatron_flash.engines.process_group import new_weight_update_group
@@ -219,8 +263,9 @@ def receiver_main(conn: Any, shapes: list[tuple[str, tuple[int, ...], str]], tra
         if kind == "begin":
             probe = PeakProbe()
         elif kind == "fresh":  # bridge.py / CPU engine: unpickle the flattened bucket, copy each tensor
-            for name, t in read_tensor_payload(body[0], "flattened_bucket"):
+            for name, t in read_tensor_payload(body[0], body[1] if len(body) > 1 else "flattened_bucket"):
                 tensors[name].copy_(t)
+            sync()  # as the engine: the sender may reuse its CUDA buffers after the ack
             conn.send(("ack",))
         elif kind == "staged":  # the local engine's receiving side: buffers mapped once, pieces copied out
             spec, entries = body
@@ -254,6 +299,7 @@ class Sender:
         self.group: Any = None
         self.buffers: Any = None
         self.stager: Any = None
+        self.flat_buffers: Any = None
         self.disk_dir = ""
 
     def setup(self, state: dict[str, Any], port: int) -> None:
@@ -278,6 +324,8 @@ class Sender:
 
     def sync(self, state: dict[str, Any]) -> None:
         transport = self.args.transport
+        if self.args.device != "cpu":
+            return self._sync_cuda(state)
         if transport == "ipc" and self.args.ipc_mode == "staged":
             return self._sync_staged(state)
         plan = bucket_plan(state, self.bucket_bytes)
@@ -318,6 +366,23 @@ class Sender:
         self._wait_ack()
         return {}
 
+    def _sync_cuda(self, state: dict[str, Any]) -> None:
+        """The ipc transport's CUDA path (staged: persistent flat buffers) or one handle per tensor (fresh)."""
+        from megatron_flash.weight_sync.transports.cuda_ipc import DeviceFlatBuffers, dumps_with_device_uuids
+
+        if self.flat_buffers is None:
+            self.flat_buffers = DeviceFlatBuffers()
+        for names in bucket_plan(state, self.bucket_bytes):
+            bucket = [(n, state.pop(n)) for n in names]
+            if self.args.ipc_mode == "staged":
+                for flat, metadata in self.flat_buffers.flatten(bucket):
+                    payload = dumps_with_device_uuids({"flattened_tensor": flat, "metadata": metadata})
+                    self.conn.send(("fresh", base64.b64encode(payload).decode(), "flattened_bucket"))
+                    self._wait_ack()
+            else:
+                self.conn.send(("fresh", base64.b64encode(dumps_with_device_uuids(bucket)).decode(), None))
+                self._wait_ack()
+
     def _sync_staged(self, state: dict[str, Any]) -> None:
         for names in bucket_plan(state, self.bucket_bytes):
             errors = self.stager.add([(n, state.pop(n)) for n in names], ["receiver"], "bucket")
@@ -333,6 +398,8 @@ class Sender:
     def close(self) -> None:
         if self.stager is not None:
             self.stager.close()
+        if self.flat_buffers is not None:
+            self.flat_buffers.close()
         if self.disk_dir:
             shutil.rmtree(self.disk_dir, ignore_errors=True)
         if self.group is not None:
@@ -362,14 +429,14 @@ def run_transport(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     mp.set_sharing_strategy("file_system")  # as bridge.py (file_descriptor crashes SGLang)
-    state = make_state(args)
+    state = {n: t.to(args.device) for n, t in make_state(args).items()}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    memcpy = Memcpy(nbytes)
+    memcpy = Memcpy(nbytes, args.device)
     shapes = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in state.items()]
     port = free_ports(1)
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    options = {"port": port}
+    options = {"port": port, "device": args.device}
     receiver = ctx.Process(target=receiver_main, args=(child, shapes, args.transport, options), daemon=True)
     receiver.start()
     sender = Sender(args, parent)
@@ -384,11 +451,12 @@ def run_transport(args: argparse.Namespace) -> dict[str, Any]:
             want = checksum(sending)
             memcpy.sample()
             parent.send(("begin",))
-            probe = PeakProbe()
+            probe, device_probe = PeakProbe(), DevicePeak(args.device)
+            device_sync(args.device)()
             t0 = time.perf_counter()
             sender.sync(sending)
             seconds.append(time.perf_counter() - t0)
-            sender_peaks.append(probe.extra_mb())
+            sender_peaks.append(device_probe.extra_mb() if args.device != "cpu" else probe.extra_mb())
             sender.cleanup_after_sync()
             parent.send(("end",))
             _, stats = parent.recv()
@@ -403,7 +471,7 @@ def run_transport(args: argparse.Namespace) -> dict[str, Any]:
             receiver.kill()
     median, memcpy_gbps, memcpy_best = statistics.median(seconds), memcpy.gbps(), memcpy.gbps_best()
     gbps = nbytes / median / 1e9
-    return {"mode": "transport", "transport": args.transport,
+    return {"mode": "transport", "transport": args.transport, "device": args.device,
             "ipc_mode": args.ipc_mode if args.transport == "ipc" else None,
             "num_buffers": args.num_buffers if sender.buffers else None,
             "buffer_mb": round(sender.buffers.nbytes / MB, 2) if sender.buffers else None,
@@ -413,7 +481,8 @@ def run_transport(args: argparse.Namespace) -> dict[str, Any]:
             "memcpy_gbps": round(memcpy_gbps, 3), "memcpy_gbps_best": round(memcpy_best, 3),
             "ratio_to_memcpy": round(gbps / memcpy_gbps, 4),
             "ratio_best": round(nbytes / min(seconds) / 1e9 / memcpy_best, 4), "peak_extra_mb": max(sender_peaks),
-            "receiver_peak_extra_mb": max(receiver_peaks), "peak_source": "VmHWM-VmRSS (clear_refs reset)",
+            "receiver_peak_extra_mb": max(receiver_peaks),
+            "peak_source": "VmHWM-VmRSS (clear_refs reset)" if args.device == "cpu" else "sender: CUDA max allocated",
             "checksum": want, "verified": verified}
 
 
@@ -458,9 +527,11 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         model = model_for(args, tmp)
         policy = build_policy(model)
         nbytes = model_bytes(policy)
-        memcpy = Memcpy(nbytes)
+        memcpy = Memcpy(nbytes, args.device)
+        engine_device = args.engine_device or args.device
         launcher = EngineLauncher(backend="cpu", model_path=model, base_port=free_ports(1), run_dir=tmp,
-                                  startup_timeout_s=600)
+                                  startup_timeout_s=600,
+                                  server_args={"device": engine_device, "dtype": "float32"})
         launcher.__enter__()
         engine_pid = launcher.pids[0]
         staged = args.transport == "ipc" and args.ipc_mode == "staged"
@@ -468,18 +539,19 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
                               disk_dir=os.path.join(tmp, "weights"))
         if args.transport == "ipc" and not staged:  # the pickled path, as SGLang engines get it
             bridge.transport._staged.update({u: False for u in launcher.urls})
-        seconds, peaks, engine_peaks, buckets, probe_s, probe_diff = [], [], [], 0, [], None
+        seconds, peaks, engine_peaks, buckets, probe_s, probe_diff, paths = [], [], [], 0, [], None, []
         for rep in range(args.repeats):
             memcpy.sample()
-            probe, engine_probe = PeakProbe(), PeakProbe(engine_pid)
+            probe, engine_probe, device_probe = PeakProbe(), PeakProbe(engine_pid), DevicePeak(args.device)
             report = bridge.sync(rep + 1)  # checks the version, and (probe) the engine's logprobs
             # The post-sync probe (a generation + logprobs on both sides) is not transport: reported apart.
             probe_s.append(getattr(report, "probe_seconds", 0.0))
             probe_diff = getattr(report, "max_abs_logprob_diff", None)
             seconds.append(report.seconds - probe_s[-1])
-            peaks.append(probe.extra_mb())
+            peaks.append(device_probe.extra_mb() if args.device != "cpu" else probe.extra_mb())
             engine_peaks.append(engine_probe.extra_mb())
             buckets = report.num_buckets
+            paths = sorted(set(getattr(bridge.transport, "paths", {}).values()))
     finally:
         if bridge is not None:
             bridge.close()
@@ -491,8 +563,9 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
     median, memcpy_gbps = statistics.median(seconds), memcpy.gbps()
     gbps = nbytes / median / 1e9
-    return {"mode": "engine", "transport": args.transport,
+    return {"mode": "engine", "transport": args.transport, "device": args.device, "engine_device": engine_device,
             "ipc_mode": ("staged" if staged else "fresh (pickled)") if args.transport == "ipc" else None,
+            "ipc_paths": paths if args.transport == "ipc" else None,
             "size_mb": round(nbytes / MB, 2), "bucket_mb": args.bucket_mb,
             "num_buckets": buckets, "repeats": args.repeats, "seconds": round(median, 4),
             "seconds_all": [round(s, 4) for s in seconds], "gbps": round(gbps, 3), "memcpy_gbps": round(memcpy_gbps, 3),
@@ -555,7 +628,16 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=float, default=64.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--disk-dir", default="", help="where disk files and temporary models go (default: $TMPDIR)")
+    p.add_argument("--device", default="cpu", help="where the sender's state (trainer) lives: cpu, cuda, cuda:N")
+    p.add_argument("--engine-device", default="", help="--engine: the engine's device (default: --device)")
     args = p.parse_args(argv)
+    if args.device != "cpu":
+        if not args.device.startswith("cuda"):
+            p.error(f"--device {args.device!r}: cpu, cuda or cuda:N")
+        if args.transport != "ipc" and not args.engine:
+            p.error(f"--device {args.device} measures the ipc transport only, not --transport {args.transport}")
+        if args.mode != "transport":
+            p.error(f"--device {args.device} is not used by --mode {args.mode}")
     if args.size_mb <= 0 or args.bucket_mb <= 0 or args.repeats < 1 or args.num_buffers < 1:
         p.error("--size-mb, --bucket-mb, --repeats and --num-buffers must be positive")
     if args.model_path and not os.path.isdir(args.model_path):

@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 2 tools/weight_sync/verify.py --model-path MOE_DIR --ep 2   # experts from each EP rank
     ... --num-engines 2                          # two CPU engine servers (broadcast: both in each stage's group)
     ... --engine-url http://127.0.0.1:30000      # use running engines (repeat the flag) instead of CPU servers
+    ... --engine-device cuda                     # the local engine on the GPU (ipc: CUDA handles, device to device)
 
 Builds the Megatron policy (layout --tp × --pp), takes --steps SGD steps on a fixed loss so the
 weights move away from the checkpoint, pushes them to the engine with the chosen transport, then
@@ -41,6 +42,7 @@ def main() -> int:
     p.add_argument("--transport", default="ipc", choices=["ipc", "broadcast", "disk"])
     p.add_argument("--engine-url", action="append", default=[])
     p.add_argument("--num-engines", type=int, default=1, help="CPU engine servers to start (without --engine-url)")
+    p.add_argument("--engine-device", default="cpu", help="device of the started engine servers: cpu, cuda, cuda:N")
     p.add_argument("--bucket-mb", type=float, default=0.05, help="small by default so several buckets are used")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--version", type=int, default=1)
@@ -74,7 +76,8 @@ def main() -> int:
     urls = list(args.engine_url)
     if rank0 and not urls:
         launcher = EngineLauncher(backend="cpu", model_path=args.model_path, base_port=free_ports(args.num_engines),
-                                  num_engines=args.num_engines, run_dir=tmp, startup_timeout_s=180)
+                                  num_engines=args.num_engines, run_dir=tmp, startup_timeout_s=180,
+                                  server_args={"device": args.engine_device, "dtype": "float32"})
         launcher.__enter__()
         urls = list(launcher.urls)
     shared = [urls, tmp]
@@ -117,7 +120,9 @@ def main() -> int:
                               "probe_mean_abs_logprob_diff": report.mean_abs_logprob_diff,
                               "sync_seconds": round(report.seconds, 3), "probe_seconds": round(report.probe_seconds, 3),
                               "bytes_sent": report.bytes_sent, "num_buckets": report.num_buckets,
-                              "synced_urls": report.synced_urls, "failed_urls": report.failed_urls, "ok": code == 0}))
+                              "synced_urls": report.synced_urls, "failed_urls": report.failed_urls,
+                              "ipc_paths": sorted(set(getattr(bridge.transport, "paths", {}).values())),
+                              "ok": code == 0}))
     finally:
         if launcher is not None:
             launcher.__exit__(None, None, None)

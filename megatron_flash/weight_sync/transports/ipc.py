@@ -1,14 +1,19 @@
 """ipc: weights move through memory the trainer's host shares with the engines.
 
-Two ways, chosen per engine:
+Three ways, chosen per engine and bucket:
+  cuda      buckets on a GPU, engines on a GPU (`device` in /get_server_info): one CUDA IPC handle
+            per bucket and dtype into the trainer's persistent flat device buffers, the device named
+            by UUID (cuda_ipc.py). An engine that cannot see the trainer's GPU refuses with
+            CANNOT_OPEN_CUDA and gets host memory from then on.
   staged    engines that advertise `weight_update_shared_memory` in /get_server_info (the local
             engine): CPU staging in the sender's persistent shared buffers, two filled and read
             alternately, mapped once by each engine (shared_buffers.py). A new buffer set is made
             when the engine set changes (an engine lost or readmitted); the old one is freed.
-  pickled   every other engine (SGLang): each bucket flattened into one host tensor per dtype
-            (SGLang's `flattened_bucket` load format), pickled with torch's ForkingPickler (a
+  pickled   every other engine (SGLang on the CPU): each bucket flattened into one host tensor per
+            dtype (SGLang's `flattened_bucket` load format), pickled with torch's ForkingPickler (a
             shared-memory file with the `file_system` strategy) and POSTed to
             /update_weights_from_tensor, one copy of the payload per engine TP rank.
+`paths` records which way each engine got its last bucket.
 """
 
 from __future__ import annotations
@@ -23,6 +28,12 @@ import torch
 from megatron_flash.weight_sync.calls import Errors
 from megatron_flash.weight_sync.plan import Bucket
 from megatron_flash.weight_sync.transports.base import StreamingTransport, TransportContext
+from megatron_flash.weight_sync.transports.cuda_ipc import (
+    CANNOT_OPEN_CUDA,
+    DeviceFlatBuffers,
+    bucket_on_cuda,
+    dumps_with_device_uuids,
+)
 from megatron_flash.weight_sync.transports.shared_buffers import SharedBuffers, Stager
 
 STAGED_FLAG = "weight_update_shared_memory"
@@ -38,8 +49,14 @@ class IpcTransport(StreamingTransport):
         super().__init__(ctx)
         self._staged: dict[str, bool] = {}
         """url → the engine takes staged buffers (asked once per engine process)."""
+        self._asked: set[str] = set()
+        self._cuda: dict[str, bool] = {}
+        """url → the engine is on a GPU and opens the trainer's CUDA memory (until it refuses)."""
         self._stager: Optional[Stager] = None
+        self._device_buffers: Optional[DeviceFlatBuffers] = None
         self._engine_set: frozenset[str] = frozenset()
+        self.paths: dict[str, str] = {}
+        """url → "cuda", "staged" or "pickled": how the engine got its last bucket."""
 
     def prepare(self, version: int) -> None:
         engines = frozenset(self.ctx.in_service())
@@ -48,9 +65,13 @@ class IpcTransport(StreamingTransport):
         self._engine_set = engines
 
     def send(self, bucket: Bucket, urls: list[str], step: str) -> Errors:
-        staged = [u for u in urls if self._takes_staged(u)]
-        pickled = [u for u in urls if u not in staged]
+        cuda = [u for u in urls if self._takes_cuda(u)] if bucket_on_cuda(bucket) else []
+        staged = [u for u in urls if u not in cuda and self._takes_staged(u)]
+        pickled = [u for u in urls if u not in cuda and u not in staged]
+        self.paths.update({u: "cuda" for u in cuda} | {u: "staged" for u in staged} | {u: "pickled" for u in pickled})
         errors: Errors = {}
+        if cuda:
+            errors.update(self._send_cuda(bucket, cuda, step))
         if staged:
             errors.update(self._stager_for().add(bucket, staged, step))
         if pickled:
@@ -62,17 +83,53 @@ class IpcTransport(StreamingTransport):
 
     def forget(self, urls: Sequence[str]) -> None:
         for url in urls:
+            self._asked.discard(url)
             self._staged.pop(url, None)
+            self._cuda.pop(url, None)
         self._close_stager()
 
     def close(self) -> None:
         self._close_stager()
+        if self._device_buffers is not None:
+            self._device_buffers.close()
+            self._device_buffers = None
+
+    def _ask(self, url: str) -> None:
+        """What the engine takes, asked once per engine process (unknown → pickled, never wrong)."""
+        if url not in self._asked:
+            infos, _ = self.ctx.calls.fan("get_server_info", [url], lambda c: c.server_info(), retries=1)
+            info = infos.get(url, {})
+            self._asked.add(url)
+            self._staged.setdefault(url, bool(info.get(STAGED_FLAG)))
+            self._cuda.setdefault(url, str(info.get("device", "")).startswith("cuda"))
+
+    # -------------------------------------------------------------- cuda
+    def _takes_cuda(self, url: str) -> bool:
+        self._ask(url)
+        return self._cuda[url]
+
+    def _send_cuda(self, bucket: Bucket, urls: list[str], step: str) -> Errors:
+        if self._device_buffers is None:
+            self._device_buffers = DeviceFlatBuffers()
+        errors: Errors = {}
+        tp = self.ctx.engine_tp_size
+        for flat, metadata in self._device_buffers.flatten(bucket):
+            live = [u for u in urls if u not in errors]
+            # One pickling per engine and TP rank: each unpickling takes one of the handle's reference counts.
+            errors.update(self.ctx.calls.fan(
+                f"{step} (update_weights_from_tensor, CUDA ipc)", live,
+                lambda c: c.update_weights_from_tensor(
+                    [base64.b64encode(dumps_with_device_uuids({"flattened_tensor": flat, "metadata": metadata}))
+                     .decode() for _ in range(tp)], load_format="flattened_bucket", flush_cache=False,
+                    weight_version=None))[1])
+        for url, message in errors.items():
+            if CANNOT_OPEN_CUDA in message:  # the trainer's GPU is not visible there: its re-sync goes by host
+                self._cuda[url] = False
+        return errors
 
     # -------------------------------------------------------------- staged
     def _takes_staged(self, url: str) -> bool:
-        if url not in self._staged:
-            infos, _ = self.ctx.calls.fan("get_server_info", [url], lambda c: c.server_info(), retries=1)
-            self._staged[url] = bool(infos.get(url, {}).get(STAGED_FLAG))  # unknown → pickled, never wrong
+        self._ask(url)
         return self._staged[url]
 
     def _stager_for(self) -> Stager:

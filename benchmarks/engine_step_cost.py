@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--vocab-size", type=int, default=0, help="model vocabulary (default: the tiny tokenizer's 48)")
     p.add_argument("--k", default="1,2,4,8,16,32,64")
     p.add_argument("--short", type=int, default=8)
     p.add_argument("--long", type=int, default=72)
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model_path or os.path.join(work, "model")
     if not args.model_path:
         subprocess.run([sys.executable, os.path.join(REPO, "tools/make_tiny_model.py"), "--out", model, "--num-layers",
-                        str(args.num_layers), "--hidden-size", str(args.hidden_size)], check=True, env=env(),
+                        str(args.num_layers), "--hidden-size", str(args.hidden_size)]
+                       + (["--vocab-size", str(args.vocab_size)] if args.vocab_size else []), check=True, env=env(),
                        stdout=subprocess.DEVNULL)
     ks = [] if args.skip_batch else [int(x) for x in args.k.split(",")]
     loop_ks = [int(x) for x in args.loop_k.split(",") if x]
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['loop_per_request_s'] * 1e3:.2f} ms (CPU {row['loop_cpu_per_request_s'] * 1e3:.2f}), "
                   f"step {row['loop_step_s'] * 1e3:.2f} ms (CPU {row['loop_cpu_step_s'] * 1e3:.2f}), "
                   f"engine busy {row['engine_busy_frac']:.2f}", flush=True)
-    print(json.dumps({"num_layers": args.num_layers, "hidden_size": args.hidden_size,
+    print(json.dumps({"num_layers": args.num_layers, "hidden_size": args.hidden_size, "vocab_size": args.vocab_size,
                       "step_s": {str(k): round(v, 6) for k, v in step.items()},
                       "per_request_s": {str(k): round(v, 6) for k, v in per_req.items()}, "closed_loop": loop,
                       "step_profile": {str(k): {key: round(v, 7) for key, v in row.items()}

@@ -4,11 +4,14 @@
     python tools/make_tiny_model.py --out /tmp/q3 --arch qwen3 --seed 3
     python tools/make_tiny_model.py --out /tmp/moe --arch qwen3_moe           # 8 experts, top-2
     python tools/make_tiny_model.py --out /tmp/big --num-layers 4 --hidden-size 256   # for benchmarks
+    python tools/make_tiny_model.py --out /tmp/gpu --num-layers 24 --hidden-size 1024 --vocab-size 151936  # ≈0.5B
     python tools/make_tiny_model.py --out /tmp/chat --chat                   # agent gateway: tools, Hermes format
 
 The tokenizer is a character-level BPE model trained with the `tokenizers` library on the symbols of
 the built-in synthetic tasks (digits, lower-case letters, a few separators), so one symbol is one
-token, which the synthetic tasks rely on. The model gets random weights (norm weights and biases
+token, which the synthetic tasks rely on. `--vocab-size` pads the model's vocabulary past the
+tokenizer's (ids without a token decode to nothing), so that a benchmark's logits, sampling and
+embedding cost what a real model's do. The model gets random weights (norm weights and biases
 perturbed away from their 1/0 init, so a conversion that drops them shows up in a parity check).
 Output: config.json, generation_config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json, special_tokens_map.json. The same arguments always give the same bytes.
@@ -120,7 +123,8 @@ def hf_config(*, arch: str, vocab_size: int, tie: bool, num_layers: int = 2, hid
 
 
 def make_model(*, out: str, arch: str, seed: int, tie: bool | None, num_layers: int = 2,
-               hidden_size: int = 64, num_experts: int = 8, top_k: int = 2, chat: bool = False) -> None:
+               hidden_size: int = 64, num_experts: int = 8, top_k: int = 2, chat: bool = False,
+               vocab_size: int = 0) -> None:
     import torch
     import transformers
 
@@ -128,7 +132,9 @@ def make_model(*, out: str, arch: str, seed: int, tie: bool | None, num_layers: 
         raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     tie = (arch != "llama") if tie is None else tie
     tokenizer = build_tokenizer(chat)
-    vocab_size = tokenizer.get_vocab_size()
+    if 0 < vocab_size < tokenizer.get_vocab_size():
+        raise ValueError(f"--vocab-size {vocab_size} is below the tokenizer's {tokenizer.get_vocab_size()} tokens")
+    vocab_size = max(vocab_size, tokenizer.get_vocab_size())
     config_dict = hf_config(arch=arch, vocab_size=vocab_size, tie=tie, num_layers=num_layers, hidden_size=hidden_size,
                             num_experts=num_experts, top_k=top_k)
     eos = "<|im_end|>" if chat else "</s>"
@@ -180,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-experts", type=int, default=8, help="qwen3_moe: experts per layer")
     parser.add_argument("--top-k", type=int, default=2, help="qwen3_moe: experts per token")
     parser.add_argument("--chat", action="store_true", help="the chat/tool-calling variant (see above)")
+    parser.add_argument("--vocab-size", type=int, default=0, help="model vocabulary (default: the tokenizer's)")
     tie = parser.add_mutually_exclusive_group()
     tie.add_argument("--tie-embeddings", dest="tie", action="store_true", default=None)
     tie.add_argument("--untie-embeddings", dest="tie", action="store_false")
@@ -187,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.arch != "qwen3_moe" and (args.num_experts, args.top_k) != (8, 2):
         parser.error("--num-experts and --top-k apply to --arch qwen3_moe only")
     make_model(out=args.out, arch=args.arch, seed=args.seed, tie=args.tie, num_layers=args.num_layers,
-               hidden_size=args.hidden_size, num_experts=args.num_experts, top_k=args.top_k, chat=args.chat)
+               hidden_size=args.hidden_size, num_experts=args.num_experts, top_k=args.top_k, chat=args.chat,
+               vocab_size=args.vocab_size)
     print(json.dumps({"out": os.path.abspath(args.out), "arch": args.arch, "seed": args.seed}))
     return 0
 

@@ -5,6 +5,8 @@ found them); modules that change weights or need a flag start their own through 
 
 Backends:
     "cpu"     megatron_flash.engines.cpu_server (transformers continuous batching), started here.
+    "cuda"    the same server with --device cuda --dtype float32 (tests/gpu/test_gpu_contract.py runs the
+              tier with MF_CONTRACT_BACKENDS=cuda on a GPU machine).
     "sglang"  real SGLang 0.5.23 on CPU. HOOK: add "sglang" to BACKENDS and provide
               tests/contract/sglang_backend.py with
                   start_sglang_server(model_dir, port, log_path, *, api_key=None) -> subprocess.Popen
@@ -30,7 +32,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # `make test` runs the CPU server; `make test-sglang` sets MF_CONTRACT_BACKENDS=sglang (real SGLang 0.5.23 on CPU,
 # installed by tools/sglang_cpu/install.sh into .cache/sglang-venv).
 BACKENDS = [b for b in os.environ.get("MF_CONTRACT_BACKENDS", "cpu").split(",") if b]
-STARTUP_DEADLINE_S = {"cpu": 120.0, "sglang": 300.0}
+STARTUP_DEADLINE_S = {"cpu": 120.0, "cuda": 180.0, "sglang": 300.0}
+LOCAL = ("cpu", "cuda")
+"""Backends that are the project's own engine server (its extras and ids are asserted where SGLang differs)."""
+LOCAL_BACKEND = "cuda" if "cuda" in BACKENDS else "cpu"
+"""The local engine for modules that test its own endpoints."""
 
 
 
@@ -42,6 +48,10 @@ class EngineServer:
     proc: subprocess.Popen
     log_path: str
     api_key: str | None = None
+
+    @property
+    def local(self) -> bool:
+        return self.backend in LOCAL
 
     def log_tail(self, num_chars: int = 4000) -> str:
         try:
@@ -65,10 +75,11 @@ class EngineServer:
                 self.proc.wait(timeout=20)
 
 
-def _start_cpu_server(model_dir: str, port: int, log_path: str, *, api_key: str | None = None) -> subprocess.Popen:
+def _start_cpu_server(model_dir: str, port: int, log_path: str, *, api_key: str | None = None,
+                      device: str = "cpu") -> subprocess.Popen:
     cmd = [sys.executable, "-m", "megatron_flash.engines.cpu_server", "--model-path", model_dir,
            "--port", str(port), "--host", "127.0.0.1", "--num-blocks", "64", "--page-size", "16",
-           "--max-batch-tokens", "256", "--log-level", "warning"]
+           "--max-batch-tokens", "256", "--log-level", "warning", "--device", device, "--dtype", "float32"]
     if api_key is not None:
         cmd += ["--api-key", api_key]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"}
@@ -82,14 +93,14 @@ def launch_engine(backend: str, model_dir: str, log_dir: str, *, api_key: str | 
     `sglang_args`: server flags SGLang needs and the CPU engine does not (it has no such switches)."""
     port = free_ports()
     log_path = os.path.join(log_dir, f"{backend}-{port}.log")
-    if backend == "cpu":
-        proc = _start_cpu_server(model_dir, port, log_path, api_key=api_key)
+    if backend in LOCAL:
+        proc = _start_cpu_server(model_dir, port, log_path, api_key=api_key, device=backend)
     elif backend == "sglang":  # HOOK: provided by the real-SGLang tier
         from tests.contract.sglang_backend import start_sglang_server
 
         proc = start_sglang_server(model_dir, port, log_path, api_key=api_key, extra_args=sglang_args)
     else:
-        raise ValueError(f"unknown backend {backend!r}; known: cpu, sglang")
+        raise ValueError(f"unknown backend {backend!r}; known: cpu, cuda, sglang")
     server = EngineServer(backend=backend, url=f"http://127.0.0.1:{port}", model_dir=model_dir, proc=proc,
                           log_path=log_path, api_key=api_key)
     deadline = time.monotonic() + STARTUP_DEADLINE_S[backend]

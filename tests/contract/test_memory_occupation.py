@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.contract.conftest import BACKENDS, launch_engine
+from tests.contract.conftest import BACKENDS, LOCAL_BACKEND, launch_engine
 from tests.contract.helpers import assert_logprobs_match, generate, http, post
 
 PROMPT = [1, 8, 9, 10, 11]
@@ -31,7 +31,7 @@ def server(request: pytest.FixtureRequest, tiny_models: dict[str, str], tmp_path
 
 @pytest.fixture(scope="module")
 def cpu_server(tiny_models: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
-    server = launch_engine("cpu", tiny_models["llama"], str(tmp_path_factory.mktemp("mem_cpu_logs")))
+    server = launch_engine(LOCAL_BACKEND, tiny_models["llama"], str(tmp_path_factory.mktemp("mem_cpu_logs")))
     yield server
     server.stop()
 
@@ -50,7 +50,7 @@ def test_release_resume_push_then_serve_the_pushed_weights(server, seed1_model: 
     assert post(server.url + "/pause_generation", {"mode": "abort"})[0] == 200
     status, body = post(server.url + "/release_memory_occupation", {})
     assert status == 200, body
-    if server.backend == "cpu":
+    if server.local:
         _, info = http("GET", server.url + "/get_server_info")
         assert info["weights_bytes"] == 0 and info["memory_released"] == ["cuda_graph", "kv_cache", "weights"]
     status, body = post(server.url + "/resume_memory_occupation", {"tags": ["weights"]})

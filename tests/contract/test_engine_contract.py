@@ -126,3 +126,16 @@ def test_prefills_larger_than_one_batch_all_finish_with_exact_logprobs(engine) -
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
     for prompt, out in list(zip(prompts, outs))[::12]:
         assert_logprobs_match(engine.model_dir, prompt, out, temperature=1.0)
+
+
+def test_local_engine_step_profile_counts_each_step_of_a_request(engine) -> None:
+    """/get_server_info `step_profile` (the local engine's own): one prefill step that yields the first token,
+    then one decode step per further token; the phases nest (loop ⊇ step ⊇ sampler)."""
+    if not engine.local:
+        pytest.skip("the local engine's own field")
+    before = http("GET", engine.url + "/get_server_info")[1]["step_profile"]
+    generate(engine.url, PROMPT, sampling_params={"temperature": 1.0, "max_new_tokens": 9, "ignore_eos": True})
+    after = http("GET", engine.url + "/get_server_info")[1]["step_profile"]
+    assert before["installed"] and after["steps"] - before["steps"] == 9, (before, after)
+    loop, step, sampler = (after[k] - before[k] for k in ("loop_s", "step_s", "sampler_s"))
+    assert loop >= step >= sampler > 0, (loop, step, sampler)

@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_flash.engines.weight_payloads import read_tensor_payload
-from megatron_flash.weight_sync.transports.ipc import flatten_by_dtype
+from megatron_flash.weight_sync.transports.flat_bucket import flatten_by_dtype
 
 
 def mixed_bucket() -> list[tuple[str, torch.Tensor]]:

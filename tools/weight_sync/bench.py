@@ -350,7 +350,7 @@ class Sender:
             else:
                 from multiprocessing.reduction import ForkingPickler
 
-                from megatron_flash.weight_sync.transports.ipc import flatten_by_dtype
+                from megatron_flash.weight_sync.transports.flat_bucket import flatten_by_dtype
 
                 for flat, metadata in flatten_by_dtype(bucket, shared=True):  # as the bridge: one shared copy per dtype
                     buf = io.BytesIO()

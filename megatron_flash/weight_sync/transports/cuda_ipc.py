@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_flash.engines.cuda_handles import CANNOT_OPEN_CUDA, DEVICE_ARG, device_uuid
+from megatron_flash.weight_sync.transports.flat_bucket import by_dtype, nbytes_of, pack
 
 __all__ = ["CANNOT_OPEN_CUDA", "DeviceFlatBuffers", "bucket_on_cuda", "dumps_with_device_uuids"]
 
@@ -58,11 +59,9 @@ class DeviceFlatBuffers:
 
     def flatten(self, bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, list[SimpleNamespace]]]:
         """Copy the bucket into the next buffer: [(flat uint8 view of one dtype's region, metadata)], metadata
-        as in transports/ipc.flatten_by_dtype (byte offsets within that view)."""
-        by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
-        for name, tensor in bucket:
-            by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
-        sizes = {dtype: sum(t.numel() for _, t in named) * dtype.itemsize for dtype, named in by_dtype.items()}
+        as in flat_bucket.py (byte offsets within that view)."""
+        groups = by_dtype(bucket)
+        sizes = {dtype: nbytes_of(named) for dtype, named in groups.items()}
         total = sum(_aligned(n) for n in sizes.values())
         device = bucket[0][1].device
         index, self._next = self._next, (self._next + 1) % len(self._buffers)
@@ -71,16 +70,9 @@ class DeviceFlatBuffers:
             self._buffers[index] = None  # free the old one before the new allocation
             buffer = self._buffers[index] = torch.empty(max(total, ALIGN), dtype=torch.uint8, device=device)
         out, region = [], 0
-        for dtype, named in by_dtype.items():
+        for dtype, named in groups.items():
             flat = buffer[region:region + sizes[dtype]]
-            metadata, offset = [], 0
-            for name, tensor in named:
-                size = tensor.numel() * dtype.itemsize
-                flat[offset:offset + size].view(dtype).view(tensor.shape).copy_(tensor)
-                metadata.append(SimpleNamespace(name=name, shape=tensor.shape, dtype=dtype, start_idx=offset,
-                                                end_idx=offset + size, numel=size))
-                offset += size
-            out.append((flat, metadata))
+            out.append((flat, pack(flat, named)))
             region += _aligned(sizes[dtype])
         return out
 

@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import base64
 import io
-from types import SimpleNamespace
 from typing import ClassVar, Optional, Sequence
-
-import torch
 
 from megatron_flash.weight_sync.calls import Errors
 from megatron_flash.weight_sync.plan import Bucket
@@ -34,6 +31,7 @@ from megatron_flash.weight_sync.transports.cuda_ipc import (
     bucket_on_cuda,
     dumps_with_device_uuids,
 )
+from megatron_flash.weight_sync.transports.flat_bucket import flatten_by_dtype
 from megatron_flash.weight_sync.transports.shared_buffers import SharedBuffers, Stager
 
 STAGED_FLAG = "weight_update_shared_memory"
@@ -169,35 +167,3 @@ class IpcTransport(StreamingTransport):
                                                  payload, load_format="flattened_bucket", flush_cache=False,
                                                  weight_version=None))[1])
         return errors
-
-
-def flatten_by_dtype(bucket: Bucket, *, shared: bool = False) -> list[tuple[torch.Tensor, list[SimpleNamespace]]]:
-    """SGLang's `flattened_bucket` load format: per dtype, one uint8 tensor holding the bucket's tensors of
-    that dtype back to back, and per tensor (name, shape, dtype, start_idx, end_idx, numel) in bytes.
-
-    One tensor per dtype means one shared-memory file per bucket (what one CUDA IPC handle would carry) instead of
-    one per tensor, and no byte offset is ever misaligned for its dtype. The flat tensor is a private
-    host copy: ForkingPickler moves a CPU storage into a shared-memory file for good, and an engine that
-    opened the file and died takes its name with it (a later send of the same storage would fail).
-    `shared`: the flat tensor is allocated in shared memory of the current sharing strategy, so that
-    pickling it copies nothing more (one copy of the bucket instead of two, and no private pages).
-    The metadata are SimpleNamespaces, which SGLang's (and the local engine's) safe unpickler admit and
-    read by attribute, so the trainer needs no SGLang import."""
-    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
-    for name, tensor in bucket:
-        by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
-    out = []
-    for dtype, named in by_dtype.items():
-        nbytes = sum(t.numel() for _, t in named) * dtype.itemsize
-        flat = torch.empty(0 if shared else nbytes, dtype=torch.uint8)
-        if shared:
-            flat.set_(torch.UntypedStorage._new_shared(nbytes))
-        metadata, offset = [], 0
-        for name, tensor in named:
-            size = tensor.numel() * dtype.itemsize
-            flat[offset:offset + size].view(dtype).view(tensor.shape).copy_(tensor)
-            metadata.append(SimpleNamespace(name=name, shape=tensor.shape, dtype=dtype, start_idx=offset,
-                                            end_idx=offset + size, numel=size))
-            offset += size
-        out.append((flat, metadata))
-    return out

@@ -273,7 +273,9 @@ class EngineUpdates:
             raise ValueError(f"Group {group_name} not in {list(self._groups)}. "
                              "Please call `init_weights_update_group` first.")
         self.load_named_tensors(weight_payloads.receive_broadcast(
-            self._groups[group_name], names=names, dtypes=dtypes, shapes=shapes, load_format=load_format))
+            self._groups[group_name], names=names, dtypes=dtypes, shapes=shapes, load_format=load_format,
+            # NCCL receives into device memory; gloo into host memory, copied to the weights after
+            device=self.device if torch.distributed.get_backend(self._groups[group_name]) == "nccl" else "cpu"))
         return "Succeeded to update parameter online."
 
 

@@ -46,7 +46,7 @@ def read_tensor_payload(payload: bytes, load_format: str | None) -> list[tuple[s
 
 
 def receive_broadcast(group: Any, *, names: list[str], dtypes: list[Any], shapes: list[list[int]],
-                      load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+                      load_format: str | None, device: Any = "cpu") -> list[tuple[str, torch.Tensor]]:
     """One SGLang-style broadcast from rank 0 (plain: one broadcast per tensor; flattened_bucket: one
     uint8 buffer holding every tensor back to back)."""
     if not (len(names) == len(dtypes) == len(shapes)):
@@ -60,11 +60,11 @@ def receive_broadcast(group: Any, *, names: list[str], dtypes: list[Any], shapes
             size = math.prod(shape) * dtype.itemsize
             offsets.append((offset, offset + size))
             offset += size
-        flat = torch.empty(offset, dtype=torch.uint8)
+        flat = torch.empty(offset, dtype=torch.uint8, device=device)
         torch.distributed.broadcast(flat, src=0, group=group)
         return [(n, flat[a:b].view(d).reshape(s)) for n, d, s, (a, b) in zip(names, dtype_objs, shapes, offsets)]
     if load_format is None:
-        named = [(n, torch.empty(s, dtype=d)) for n, d, s in zip(names, dtype_objs, shapes)]
+        named = [(n, torch.empty(s, dtype=d, device=device)) for n, d, s in zip(names, dtype_objs, shapes)]
         handles = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for _, t in named]
         for handle in handles:
             handle.wait()

@@ -5,7 +5,9 @@
   ipc        staged  the transport's SharedBuffers + Stager → the engine's SharedBufferMaps, 2 buffers
                      alternating, tensors larger than a buffer in pieces
   ipc        fresh   the ipc transport's pickled path (ForkingPickler), CPU engine's allowlist unpickler
-  broadcast  —       2-rank gloo group from process_group.new_weight_update_group
+  broadcast  bucket  2-rank gloo group from process_group.new_weight_update_group, one flat broadcast per
+                     bucket received by the engine's receive_broadcast (the bridge's way)
+  broadcast  tensor  the same group, one broadcast per tensor
   disk       —       safetensors files per bucket
 
 The receiver's checksum (integer sums of the raw words of every tensor, per name) must equal the
@@ -33,8 +35,9 @@ def _bench():
 
 
 @pytest.mark.parametrize("extra", [["--transport", "ipc"], ["--transport", "ipc", "--ipc-mode", "fresh"],
-                                   ["--transport", "broadcast"], ["--transport", "disk"]],
-                         ids=["ipc-staged", "ipc-fresh", "broadcast", "disk"])
+                                   ["--transport", "broadcast"], ["--transport", "broadcast", "--broadcast-mode",
+                                                                  "tensor"], ["--transport", "disk"]],
+                         ids=["ipc-staged", "ipc-fresh", "broadcast", "broadcast-tensor", "disk"])
 def test_bench_delivers_exact_bytes(extra: list[str]) -> None:
     proc = run_tool([TOOL, "--size-mb", "8", "--bucket-mb", "1", "--repeats", "2"] + extra, timeout=180)
     r = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -70,3 +70,38 @@ def test_the_flat_copy_is_private() -> None:
     assert flat.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
     flat.zero_()
     assert weight.abs().sum() > 0
+
+
+def test_broadcast_bucket_order_aligns_every_offset_and_the_engine_rebuilds_it(monkeypatch) -> None:
+    """broadcast sends a bucket as one flat tensor: largest elements first, so that the receiver's rule
+    (SGLang's FlattenedTensorBucket.empty: tensors back to back, offset % itemsize == 0) holds, and the
+    local engine's receive_broadcast rebuilds every tensor from those bytes."""
+    from megatron_flash.engines.weight_payloads import receive_broadcast
+    from megatron_flash.weight_sync.transports.broadcast import broadcast_order
+    from megatron_flash.weight_sync.transports.flat_bucket import nbytes_of, pack
+
+    g = torch.Generator().manual_seed(1)
+    bucket = [("m", torch.rand(3, generator=g) > 0.5), ("a", torch.randn(3, generator=g).to(torch.bfloat16)),
+              ("b", torch.randn(5, generator=g)), ("c", torch.randint(-9, 9, (3,), generator=g)),
+              ("d", torch.randn(7, generator=g).to(torch.float16)), ("e", torch.randn(2, 3, generator=g).t())]
+
+    def aligned(named) -> bool:
+        offset = 0
+        for _, t in named:
+            if offset % t.element_size():
+                return False
+            offset += t.numel() * t.element_size()
+        return True
+
+    assert not aligned(bucket)  # as the bucket comes: a 3-byte bool run puts the bf16 at offset 3
+    ordered = broadcast_order(bucket)
+    assert [n for n, _ in ordered] == ["c", "b", "e", "a", "d", "m"]  # 8, 4, 4, 2, 2, 1 bytes; stable
+    assert aligned(ordered)
+    flat = torch.empty(nbytes_of(ordered), dtype=torch.uint8)
+    pack(flat, ordered)
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda t, src, group: t.copy_(flat))
+    got = dict(receive_broadcast(None, names=[n for n, _ in ordered], load_format="flattened_bucket",
+                                 dtypes=[str(t.dtype).removeprefix("torch.") for _, t in ordered],
+                                 shapes=[list(t.shape) for _, t in ordered]))
+    for name, tensor in bucket:
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name

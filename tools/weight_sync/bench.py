@@ -27,8 +27,11 @@ it is timed from the first byte handled to the receiver's last acknowledgement.
                           tensors in pieces) and hands it over while it fills the next one; the
                           receiver maps each buffer once (engines/shared_weights.py) and copies out.
   broadcast               a 2-rank gloo group (process_group.new_weight_update_group, as the
-                          bridge); names are announced, then one broadcast per tensor straight into
-                          the receiver's tensors.
+                          bridge); names are announced, then (--broadcast-mode bucket, the bridge)
+                          one broadcast of the bucket as one flat uint8 tensor that the receiver
+                          copies out of (SGLang's flattened_bucket, the engine's receive code), or
+                          (--broadcast-mode tensor) one broadcast per tensor straight into the
+                          receiver's tensors.
   disk                    safetensors files (one per bucket) in --disk-dir, then the receiver loads
                           each file and copies into its tensors (bridge: export, then load).
 
@@ -271,6 +274,14 @@ def receiver_main(conn: Any, shapes: list[tuple[str, tuple[int, ...], str]], tra
             spec, entries = body
             copy_pieces(maps.pieces({"buffer": spec, "tensors": entries}), tensors.get)
             conn.send(("ack",))
+        elif kind == "broadcast_flat":  # the engine's receive_broadcast, then its copy into the weights
+            from megatron_flash.engines.weight_payloads import receive_broadcast
+
+            names, dtypes, shapes_ = body
+            for name, t in receive_broadcast(group, names=names, dtypes=dtypes, shapes=shapes_,
+                                             load_format="flattened_bucket"):
+                tensors[name].copy_(t)
+            conn.send(("ack",))
         elif kind == "broadcast":
             handles = [dist.broadcast(tensors[n], src=0, group=group, async_op=True) for n in body[0]]
             for handle in handles:
@@ -300,6 +311,7 @@ class Sender:
         self.buffers: Any = None
         self.stager: Any = None
         self.flat_buffers: Any = None
+        self.flat: Any = None
         self.disk_dir = ""
 
     def setup(self, state: dict[str, Any], port: int) -> None:
@@ -341,10 +353,26 @@ class Sender:
             return None
         for names in plan:
             bucket = [(n, state.pop(n)) for n in names]  # dropped after the ack, as the bridge does
-            if transport == "broadcast":
+            if transport == "broadcast" and self.args.broadcast_mode == "bucket":
+                import torch
                 import torch.distributed as dist
 
-                self.conn.send(("broadcast", names))  # the bridge's announce (HTTP there)
+                from megatron_flash.weight_sync.transports.broadcast import broadcast_order
+                from megatron_flash.weight_sync.transports.flat_bucket import nbytes_of, pack
+
+                ordered = broadcast_order(bucket)  # as the bridge: one flat tensor per bucket
+                self.conn.send(("broadcast_flat", [n for n, _ in ordered],
+                                [str(t.dtype).removeprefix("torch.") for _, t in ordered],
+                                [list(t.shape) for _, t in ordered]))
+                if self.flat is None or self.flat.numel() < nbytes_of(ordered):
+                    self.flat = torch.empty(nbytes_of(ordered), dtype=torch.uint8)
+                flat = self.flat[:nbytes_of(ordered)]
+                pack(flat, ordered)
+                dist.broadcast(flat, src=0, group=self.group)
+            elif transport == "broadcast":
+                import torch.distributed as dist
+
+                self.conn.send(("broadcast", names))  # announce, then one broadcast per tensor
                 for _, t in bucket:
                     dist.broadcast(t, src=0, group=self.group)
             else:
@@ -472,6 +500,7 @@ def run_transport(args: argparse.Namespace) -> dict[str, Any]:
     median, memcpy_gbps, memcpy_best = statistics.median(seconds), memcpy.gbps(), memcpy.gbps_best()
     gbps = nbytes / median / 1e9
     return {"mode": "transport", "transport": args.transport, "device": args.device,
+            "broadcast_mode": args.broadcast_mode if args.transport == "broadcast" else None,
             "ipc_mode": args.ipc_mode if args.transport == "ipc" else None,
             "num_buffers": args.num_buffers if sender.buffers else None,
             "buffer_mb": round(sender.buffers.nbytes / MB, 2) if sender.buffers else None,
@@ -622,6 +651,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--transport", default="ipc", choices=["ipc", "broadcast", "disk"])
     p.add_argument("--ipc-mode", default="staged", choices=["staged", "fresh"],
                    help="staged: persistent shared buffers (local engine); fresh: pickled (SGLang engines)")
+    p.add_argument("--broadcast-mode", default="bucket", choices=["bucket", "tensor"],
+                   help="bucket: one flat broadcast per bucket (the bridge); tensor: one per tensor")
     p.add_argument("--num-buffers", type=int, default=2, help="staged buffers (2: fill one while the other is read)")
     p.add_argument("--size-mb", type=float, default=64.0, help="state size (ignored with --model-path)")
     p.add_argument("--model-path", default="", help="HF model directory: its tensors are the state")

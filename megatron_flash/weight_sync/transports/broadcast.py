@@ -1,6 +1,8 @@
 """broadcast: one gloo/NCCL group per PP stage, {that stage's sender (rank 0)} ∪ {every engine rank}.
-POST /update_weights_from_distributed announces a bucket's names/dtypes/shapes while the sender
-broadcasts each tensor. Stages take turns (the executor's barrier) because an engine serves one update
+POST /update_weights_from_distributed announces a bucket's names/dtypes/shapes with SGLang's
+`load_format="flattened_bucket"` while the sender broadcasts the whole bucket as one uint8 tensor (one
+collective per bucket instead of one per tensor; the tensors ordered by element size, largest first,
+so that every tensor's byte offset is aligned for its dtype, which the receivers check). Stages take turns (the executor's barrier) because an engine serves one update
 at a time: two stages broadcasting at once to two engines that picked them in opposite orders would
 deadlock. The group lives across syncs while its members stay the same."""
 
@@ -19,6 +21,7 @@ from megatron_flash.ports import free_ports
 from megatron_flash.weight_sync.calls import Errors
 from megatron_flash.weight_sync.plan import Bucket
 from megatron_flash.weight_sync.transports.base import StreamingTransport, TransportContext
+from megatron_flash.weight_sync.transports.flat_bucket import nbytes_of, pack
 
 
 class BroadcastTransport(StreamingTransport):
@@ -29,6 +32,7 @@ class BroadcastTransport(StreamingTransport):
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
         self._group: Optional[tuple[tuple[str, ...], str, Any]] = None  # this stage's (members, name, group)
+        self._flat: Optional[torch.Tensor] = None  # one bucket's bytes, reused (each broadcast completes first)
 
     def forget(self, urls: Sequence[str]) -> None:
         if self._group is not None and any(u in self._group[0] for u in urls):
@@ -67,6 +71,16 @@ class BroadcastTransport(StreamingTransport):
 
     def close(self) -> None:
         self._drop_group()
+        self._flat = None
+
+    def _flatten(self, ordered: Bucket) -> torch.Tensor:
+        nbytes, device = nbytes_of(ordered), ordered[0][1].device
+        if self._flat is None or self._flat.numel() < nbytes or self._flat.device != device:
+            self._flat = None
+            self._flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        flat = self._flat[:nbytes]
+        pack(flat, ordered)
+        return flat
 
     def _drop_group(self) -> None:
         """Tear down this stage's group on our side and (best effort) on engines still in service."""
@@ -86,8 +100,10 @@ class BroadcastTransport(StreamingTransport):
             name, group = self._stage_group(urls)
         except Exception as error:
             return {u: f"{step}: {error}" for u in urls}
-        body = dict(names=[n for n, _ in bucket], dtypes=[str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                    shapes=[list(t.shape) for _, t in bucket], group_name=name, flush_cache=False, weight_version=None)
+        ordered = broadcast_order(bucket)
+        body = dict(names=[n for n, _ in ordered], dtypes=[str(t.dtype).removeprefix("torch.") for _, t in ordered],
+                    shapes=[list(t.shape) for _, t in ordered], group_name=name, flush_cache=False,
+                    weight_version=None, load_format="flattened_bucket")
         announced: Errors = {}
         calls, timeout_s = self.ctx.calls, self.ctx.calls.timeout_s
 
@@ -99,8 +115,7 @@ class BroadcastTransport(StreamingTransport):
         thread.start()
         failure = ""
         try:
-            for _, tensor in bucket:
-                dist.broadcast(tensor, group=group, group_src=0)
+            dist.broadcast(self._flatten(ordered), group=group, group_src=0)
         except Exception as error:  # a member died mid-collective: the group is unusable for all
             failure = f"{step} (broadcast): {type(error).__name__}: {error}"
         del group  # outside the except block: no traceback frame keeps the group alive either
@@ -115,3 +130,9 @@ class BroadcastTransport(StreamingTransport):
             self._drop_group()
             return {u: announced.get(u, f"{step}: another member of group {name} failed") for u in urls}
         return {}
+
+
+def broadcast_order(bucket: Bucket) -> Bucket:
+    """The bucket by element size, largest first (stable): packed back to back in this order, every tensor
+    starts at a byte offset its dtype divides, as SGLang's flattened_bucket receiver requires."""
+    return sorted(bucket, key=lambda item: -item[1].element_size())

@@ -13,6 +13,8 @@
 #            tensor, and the bridge into a local engine on the GPU            (about 2.5 min)
 #   steps    benchmarks/engine_step_cost.py --device cuda on a ≈0.5B bf16 model (24 × 1024, 152k vocab):
 #            decode step at 1…256 sequences with the engine's per-step split  (about 2 min)
+#   rollout  benchmarks/queue_scheduling.py and prompt_replication.py with --engine-device cuda, one
+#            round each (their tiny long-tail model: the engine's step is then mostly fixed cost)
 #   tier     the whole tests/gpu tier                                          (about 5 min)
 # docs/benchmarks.md says where each number goes.
 set -u
@@ -22,7 +24,8 @@ WHEELS="megatron-core==0.16.1 transformers==5.23.0 tokenizers==0.23.3 huggingfac
 httpcore2==2.16.2 truststore==0.10.5 idna==3.20 anyio==4.16.0 omegaconf==2.4.0 antlr4-python3-runtime==4.13.2
 fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0
 typing-inspection==0.4.5 typing_extensions==4.16.0 uvicorn==0.54.0 math-verify==0.9.0
-latex2sympy2_extended==1.11.0 opentelemetry-api==1.45.2 click==8.5.1 regex==2026.11.15 hf-xet==1.8.0"
+latex2sympy2_extended==1.11.0 opentelemetry-api==1.45.2 click==8.5.1 regex==2026.11.15 hf-xet==1.8.0
+datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19"
 
 download() {
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
@@ -68,10 +71,14 @@ run() {
                     --vocab-size 151936 > /dev/null
                 stage engine_steps 200 python3 benchmarks/engine_step_cost.py --device cuda --dtype bfloat16 \
                     --model-path /tmp/m05b --k 1,8,64,256 --short 8 --long 40 --repeats 2 ;;
+            rollout)
+                stage queue_scheduling 240 python3 benchmarks/queue_scheduling.py --engine-device cuda --rounds 1
+                stage prompt_replication 240 python3 benchmarks/prompt_replication.py --engine-device cuda \
+                    --rounds 1 ;;
             tier)
                 stage gpu_tier 330 python3 -m pytest -q -s -p no:cacheprovider tests/gpu ;;
             *)
-                echo "unknown stage $name (weights, steps, tier)"; exit 2 ;;
+                echo "unknown stage $name (weights, steps, rollout, tier)"; exit 2 ;;
         esac
     done
 }

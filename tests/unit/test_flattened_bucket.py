@@ -105,3 +105,13 @@ def test_broadcast_bucket_order_aligns_every_offset_and_the_engine_rebuilds_it(m
                                  shapes=[list(t.shape) for _, t in ordered]))
     for name, tensor in bucket:
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def test_broadcast_coalesces_buckets_of_small_tensors_on_the_cpu() -> None:
+    from megatron_flash.weight_sync.transports.broadcast import COALESCE_MAX_MEAN_BYTES, coalesce
+
+    small = [(f"t{i}", torch.zeros(64)) for i in range(10)]
+    large = [(f"t{i}", torch.zeros(COALESCE_MAX_MEAN_BYTES // 4 + 1)) for i in range(3)]  # just above on average
+    assert coalesce(small) and not coalesce(large)
+    assert not coalesce(small[:1])  # one tensor: nothing to coalesce
+    assert coalesce(large[:1] + small * 30)  # one large tensor among many small ones: the mean decides

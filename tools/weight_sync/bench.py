@@ -29,9 +29,9 @@ it is timed from the first byte handled to the receiver's last acknowledgement.
   broadcast               a 2-rank gloo group (process_group.new_weight_update_group, as the
                           bridge); names are announced, then (--broadcast-mode bucket, the bridge)
                           one broadcast of the bucket as one flat uint8 tensor that the receiver
-                          copies out of (SGLang's flattened_bucket, the engine's receive code), or
-                          (--broadcast-mode tensor) one broadcast per tensor straight into the
-                          receiver's tensors.
+                          copies out of (SGLang's flattened_bucket), or (--broadcast-mode tensor)
+                          one broadcast per tensor; both received by the engine's own code
+                          (weight_payloads.receive_broadcast) and copied into the receiver's tensors.
   disk                    safetensors files (one per bucket) in --disk-dir, then the receiver loads
                           each file and copies into its tensors (bridge: export, then load).
 
@@ -274,18 +274,13 @@ def receiver_main(conn: Any, shapes: list[tuple[str, tuple[int, ...], str]], tra
             spec, entries = body
             copy_pieces(maps.pieces({"buffer": spec, "tensors": entries}), tensors.get)
             conn.send(("ack",))
-        elif kind == "broadcast_flat":  # the engine's receive_broadcast, then its copy into the weights
+        elif kind == "broadcast":  # the engine's receive_broadcast (either format), then its copy into the weights
             from megatron_flash.engines.weight_payloads import receive_broadcast
 
-            names, dtypes, shapes_ = body
+            names, dtypes, shapes_, load_format = body
             for name, t in receive_broadcast(group, names=names, dtypes=dtypes, shapes=shapes_,
-                                             load_format="flattened_bucket"):
+                                             load_format=load_format):
                 tensors[name].copy_(t)
-            conn.send(("ack",))
-        elif kind == "broadcast":
-            handles = [dist.broadcast(tensors[n], src=0, group=group, async_op=True) for n in body[0]]
-            for handle in handles:
-                handle.wait()
             conn.send(("ack",))
         elif kind == "disk":
             from safetensors.torch import load_file
@@ -361,9 +356,9 @@ class Sender:
                 from megatron_flash.weight_sync.transports.flat_bucket import nbytes_of, pack
 
                 ordered = broadcast_order(bucket)  # as the bridge: one flat tensor per bucket
-                self.conn.send(("broadcast_flat", [n for n, _ in ordered],
+                self.conn.send(("broadcast", [n for n, _ in ordered],
                                 [str(t.dtype).removeprefix("torch.") for _, t in ordered],
-                                [list(t.shape) for _, t in ordered]))
+                                [list(t.shape) for _, t in ordered], "flattened_bucket"))
                 if self.flat is None or self.flat.numel() < nbytes_of(ordered):
                     self.flat = torch.empty(nbytes_of(ordered), dtype=torch.uint8)
                 flat = self.flat[:nbytes_of(ordered)]
@@ -372,7 +367,8 @@ class Sender:
             elif transport == "broadcast":
                 import torch.distributed as dist
 
-                self.conn.send(("broadcast", names))  # announce, then one broadcast per tensor
+                self.conn.send(("broadcast", names, [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                                [list(t.shape) for _, t in bucket], None))  # announce, one broadcast per tensor
                 for _, t in bucket:
                     dist.broadcast(t, src=0, group=self.group)
             else:

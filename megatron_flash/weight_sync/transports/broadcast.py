@@ -1,8 +1,8 @@
 """broadcast: one gloo/NCCL group per PP stage, {that stage's sender (rank 0)} ∪ {every engine rank}.
-POST /update_weights_from_distributed announces a bucket's names/dtypes/shapes with SGLang's
-`load_format="flattened_bucket"` while the sender broadcasts the whole bucket as one uint8 tensor (one
-collective per bucket instead of one per tensor; the tensors ordered by element size, largest first,
-so that every tensor's byte offset is aligned for its dtype, which the receivers check). Stages take turns (the executor's barrier) because an engine serves one update
+POST /update_weights_from_distributed announces a bucket's names/dtypes/shapes while the sender
+broadcasts it: as one uint8 tensor with SGLang's `load_format="flattened_bucket"` (one collective per
+bucket; the tensors ordered by element size, largest first, so that every byte offset is aligned for
+its dtype, which the receivers check) where that saves time (`coalesce`), else one tensor at a time. Stages take turns (the executor's barrier) because an engine serves one update
 at a time: two stages broadcasting at once to two engines that picked them in opposite orders would
 deadlock. The group lives across syncs while its members stay the same."""
 
@@ -100,10 +100,11 @@ class BroadcastTransport(StreamingTransport):
             name, group = self._stage_group(urls)
         except Exception as error:
             return {u: f"{step}: {error}" for u in urls}
-        ordered = broadcast_order(bucket)
+        flat = coalesce(bucket)
+        ordered = broadcast_order(bucket) if flat else bucket
         body = dict(names=[n for n, _ in ordered], dtypes=[str(t.dtype).removeprefix("torch.") for _, t in ordered],
                     shapes=[list(t.shape) for _, t in ordered], group_name=name, flush_cache=False,
-                    weight_version=None, load_format="flattened_bucket")
+                    weight_version=None, load_format="flattened_bucket" if flat else None)
         announced: Errors = {}
         calls, timeout_s = self.ctx.calls, self.ctx.calls.timeout_s
 
@@ -115,7 +116,11 @@ class BroadcastTransport(StreamingTransport):
         thread.start()
         failure = ""
         try:
-            dist.broadcast(self._flatten(ordered), group=group, group_src=0)
+            if flat:
+                dist.broadcast(self._flatten(ordered), group=group, group_src=0)
+            else:
+                for _, tensor in ordered:
+                    dist.broadcast(tensor, group=group, group_src=0)
         except Exception as error:  # a member died mid-collective: the group is unusable for all
             failure = f"{step} (broadcast): {type(error).__name__}: {error}"
         del group  # outside the except block: no traceback frame keeps the group alive either
@@ -130,6 +135,20 @@ class BroadcastTransport(StreamingTransport):
             self._drop_group()
             return {u: announced.get(u, f"{step}: another member of group {name} failed") for u in urls}
         return {}
+
+
+COALESCE_MAX_MEAN_BYTES = 1 << 20
+"""On the CPU a bucket goes flat only when its tensors average at most this: measured with gloo
+(tools/weight_sync/bench.py, 2-core box), 21 tensors of ~15 KB: flat 2.1 ms vs 4.3 ms per tensor;
+12 tensors of ~21 MB: flat 0.30–0.32 s vs 0.25–0.26 s (the packing copy costs more than the calls)."""
+
+
+def coalesce(bucket: Bucket) -> bool:
+    """Send this bucket as one flat broadcast? Always on a GPU (packing runs at device-memory speed and
+    every NCCL call has its own launch and synchronization cost), on the CPU only for small tensors."""
+    if len(bucket) < 2:
+        return False
+    return bucket[0][1].is_cuda or nbytes_of(bucket) <= COALESCE_MAX_MEAN_BYTES * len(bucket)
 
 
 def broadcast_order(bucket: Bucket) -> Bucket:

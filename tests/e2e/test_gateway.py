@@ -81,6 +81,12 @@ def _live(engine_url: str) -> int:
         return json.loads(resp.read())["num_live_requests"]
 
 
+def _steps(engine_url: str) -> int:
+    """Generation steps the local engine has run (its step_profile): a live request may not have a token yet."""
+    with urllib.request.urlopen(engine_url + "/get_server_info", timeout=5) as resp:
+        return json.loads(resp.read())["step_profile"]["steps"]
+
+
 def trajectory(stack, session: str) -> dict:
     r = httpx.get(f"{stack['url']}/v1/trajectories/{session}", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200, r.text
@@ -158,13 +164,23 @@ def test_streaming_gives_the_same_reply(stack) -> None:
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
 def test_a_weight_push_mid_turn_records_both_versions(stack, chat_models, mode: str) -> None:
     engine = stack["engine"].url
+    try:
+        push_mid_turn(stack, chat_models, engine, mode)
+    finally:  # the next mode starts from version 0 whatever happened here
+        asyncio.run(_call(engine, lambda c: c.update_weights_from_disk(chat_models[0], weight_version="0")))
+
+
+def push_mid_turn(stack, chat_models, engine: str, mode: str) -> None:
     for attempt in range(3):
         session = f"push-{mode}-{attempt}"
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            steps = _steps(engine)
             reply = pool.submit(chat, stack, session, [{"role": "user", "content": "count"}], max_tokens=200,
                                 temperature=0)
             deadline = time.monotonic() + 10
-            while _live(engine) == 0 and time.monotonic() < deadline:  # push once the turn is generating
+            # Push once the turn has tokens: its prefill and two decode steps ran (a push while the request
+            # waits for its prefill lands before its first token, and the whole turn has one version).
+            while (_live(engine) == 0 or _steps(engine) < steps + 3) and time.monotonic() < deadline:
                 time.sleep(0.002)
 
             async def push(client):
@@ -182,7 +198,6 @@ def test_a_weight_push_mid_turn_records_both_versions(stack, chat_models, mode: 
         pytest.fail(f"the push never landed inside a 200-token turn ({mode})")
     assert versions == sorted(versions) and versions[-1] == attempt + 1
     assert turn["num_resumes"] == (1 if mode == "abort" else 0)
-    asyncio.run(_call(engine, lambda c: c.update_weights_from_disk(chat_models[0], weight_version="0")))
 
 
 def test_tools_are_offered_and_tool_results_rendered(stack) -> None:

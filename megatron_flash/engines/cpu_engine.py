@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from megatron_flash.engines.cpu_engine_updates import EngineUpdates
+from megatron_flash.engines.cuda_handles import device_uuid
 from megatron_flash.engines.routed_experts import RouteRecorder, encoded_routes
 from megatron_flash.engines.shared_weights import SharedBufferMaps
 from megatron_flash.engines.sampling import SamplingSpec, sample_rows
@@ -181,6 +182,10 @@ class CpuEngine(EngineUpdates):
         self.tokenizer_path = model_path
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.device, self.dtype = engine_device(device), engine_dtype(dtype)
+        # which physical GPU (CUDA indices differ between processes): a trainer rank on the same GPU cannot
+        # broadcast to this engine over NCCL (weight_sync/transports/broadcast.py refuses it by this UUID)
+        self.device_uuid = device_uuid(torch.cuda.current_device() if self.device.index is None
+                                       else self.device.index) if self.device.type == "cuda" else None
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)

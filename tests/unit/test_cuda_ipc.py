@@ -183,3 +183,37 @@ def test_an_engine_that_cannot_see_the_trainers_gpu_gets_host_memory_from_then_o
         transport.close()
     assert transport.paths == {"http://other:1": "staged"}
     assert sum("CUDA ipc" in step for _, step, _ in engines.requests) == 1  # refused once, not asked again
+
+
+class InfoOnly:
+    """fan() that answers get_server_info with each engine's reported GPU; any other call is a failure."""
+
+    def __init__(self, uuids: dict[str, str | None]) -> None:
+        self.uuids, self.steps = uuids, []
+
+    def fan(self, step: str, urls: list[str], call, **kw):
+        self.steps.append(step)
+        assert "get_server_info" in step, f"no group may be formed after the refusal: {step}"
+        return {u: {"device": "cuda:0", "device_uuid": self.uuids[u]} for u in urls}, {}
+
+
+def test_broadcast_refuses_engines_on_the_trainers_own_gpu_by_name(monkeypatch) -> None:
+    """NCCL cannot hold two ranks of one group on one GPU: the transport names the engine and the fix
+    before forming a group, instead of the engine's rendezvous error."""
+    from megatron_flash.weight_sync.transports import broadcast
+    from megatron_flash.weight_sync.transports.base import TransportContext
+
+    monkeypatch.setattr(broadcast.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(broadcast.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(broadcast, "device_uuid", lambda index: f"GPU-{index}")
+    engines = InfoOnly({"http://a": "GPU-1", "http://b": "GPU-0", "http://c": None})
+    ctx = TransportContext(calls=engines, layout=SimpleNamespace(pp_rank=0), engine_tp_size=1, master_address="",
+                           disk_dir="", export_hf=lambda d: None, in_service=lambda: list(engines.uuids))
+    transport = broadcast.BroadcastTransport(ctx)
+    bucket = [("w", torch.ones(4))]
+    errors = transport.send(bucket, list(engines.uuids), "bucket 0")
+    assert set(errors) == set(engines.uuids)  # the group would hold all three: none is formed
+    message = errors["http://b"]
+    assert "http://b" in message and "http://a" not in message and "http://c" not in message, message
+    assert "own GPU" in message and "weight_sync.transport=ipc" in message, message
+    assert broadcast.same_gpu_engines(["http://a", "http://c"], engines, 0) == []

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_flash.engines.cuda_handles import device_uuid
 from megatron_flash.engines.process_group import destroy_weight_update_group, new_weight_update_group
 from megatron_flash.ports import free_ports
 from megatron_flash.weight_sync.calls import Errors
@@ -48,6 +49,8 @@ class BroadcastTransport(StreamingTransport):
         name = f"mf_weights_pp{ctx.layout.pp_rank}_{uuid.uuid4().hex[:8]}"
         port = free_ports(1)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            self._refuse_engines_on_this_gpu(urls)
         world = 1 + len(urls) * ctx.engine_tp_size
         joins: dict[str, Any] = {}
 
@@ -68,6 +71,16 @@ class BroadcastTransport(StreamingTransport):
             raise RuntimeError(f"could not form update group {name}: {joins or 'timeout'}")
         self._group = (members, name, group)
         return name, group
+
+    def _refuse_engines_on_this_gpu(self, urls: list[str]) -> None:
+        """NCCL cannot put two ranks of one group on one GPU: it fails inside the first collective, the
+        engine's side with a rendezvous error that names neither. Engines that report their GPU
+        (`device_uuid` in /get_server_info: the local engine) are checked here."""
+        mine = same_gpu_engines(urls, self.ctx.calls, torch.cuda.current_device())
+        if mine:
+            raise RuntimeError(f"weight_sync.transport=broadcast: engine(s) {', '.join(mine)} run on this trainer "
+                               f"rank's own GPU, and NCCL cannot join two ranks of a group on one GPU; use "
+                               f"weight_sync.transport=ipc (CUDA IPC on the same GPU) for engines beside the trainer")
 
     def close(self) -> None:
         self._drop_group()
@@ -155,3 +168,10 @@ def broadcast_order(bucket: Bucket) -> Bucket:
     """The bucket by element size, largest first (stable): packed back to back in this order, every tensor
     starts at a byte offset its dtype divides, as SGLang's flattened_bucket receiver requires."""
     return sorted(bucket, key=lambda item: -item[1].element_size())
+
+
+def same_gpu_engines(urls: Sequence[str], calls: Any, device_index: int) -> list[str]:
+    """The engines among `urls` whose reported GPU (`device_uuid`) is this process's CUDA device."""
+    infos, _ = calls.fan("get_server_info", list(urls), lambda c: c.server_info(), retries=1)
+    mine = device_uuid(device_index)
+    return [u for u in urls if (infos.get(u) or {}).get("device_uuid") == mine]

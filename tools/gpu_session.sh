@@ -4,18 +4,27 @@
 # network: they travel as py3.12 wheels in .whl/ (ignored by git, named in the call's `carry`).
 #
 #   bash tools/gpu_session.sh download            # here, once: the wheels into .whl/ (about 30 MB)
-#   device run, carry [".whl"], timeout_s 560:
-#     bash tools/gpu_session.sh run weights steps  # on the GPU machine: install, then the chosen stages
+#   device run, carry [".whl", "runs/bench_models"], timeout_s ≈ GPU_DEADLINE + 40:
+#     GPU_DEADLINE=440 bash tools/gpu_session.sh run weights steps rollout async -- weights_test quickstart contract
+# The stages before `--` run one after another (the timing ones); those after it run beside them (the
+# correctness ones: they share the GPU and the cores with the timings, which the numbers must say).
+# Every stage is cut to end by GPU_DEADLINE seconds; its output is in $OUT/logs.tgz (<stage>.log).
 #
-# Stages (each under its own time limit, every output line also in $OUT/<stage>.log):
-#   weights  tests/gpu/test_gpu_weight_sync.py (CUDA ipc into a GPU engine, exact), then
-#            tools/weight_sync/bench.py --device cuda at 1 GB: flat persistent buffers vs one handle per
-#            tensor, and the bridge into a local engine on the GPU            (about 2.5 min)
-#   steps    benchmarks/engine_step_cost.py --device cuda on a ≈0.5B bf16 model (24 × 1024, 152k vocab):
-#            decode step at 1…256 sequences with the engine's per-step split  (about 2 min)
-#   rollout  benchmarks/queue_scheduling.py and prompt_replication.py with --engine-device cuda, one
-#            round each (their tiny long-tail model: the engine's step is then mostly fixed cost)
-#   tier     the whole tests/gpu tier                                          (about 5 min)
+#   weights       tools/weight_sync/bench.py --device cuda at 1 GB: flat persistent buffers (staged) vs
+#                 one handle per tensor (fresh), ratio to a D2D copy; the bridge into a GPU engine
+#   steps         benchmarks/engine_step_cost.py --device cuda: a ≈0.5B bf16 model (24 × 1024, 152k
+#                 vocab) at 1…256 sequences with the engine's per-step split, and the tiny model's curve
+#                 (the rollout benchmarks' model: the planner's input for them)
+#   rollout       queue_scheduling.py and prompt_replication.py with --engine-device cuda, one round each
+#   rollout64     the same with 64 slots per engine (a GPU's step is flat to there)
+#   profile       benchmarks/cb_step_profile.py on the ≈0.5B model: where transformers CB's step goes
+#   ipc_split     the CUDA ipc sync with 256 MB and 1 GB buckets, the receiver's open/copy/sync split
+#   async         async_vs_sync.py with --engine-device cuda, one round
+#   weights_test  tests/gpu/test_gpu_weight_sync.py (CUDA ipc into a GPU engine, exact)
+#   quickstart    the README quickstart with trainer and engine on the one GPU (tests/gpu)
+#   contract      the contract tier (tests/contract) against the local engine on CUDA
+#   contract_broadcast   its broadcast weight-sync case alone
+#   tier          the whole tests/gpu tier (longer than one call: about 10 min on an H100)
 # docs/benchmarks.md says where each number goes.
 set -u
 cd "$(dirname "$0")/.."
@@ -39,27 +48,26 @@ download() {
     du -sh .whl
 }
 
-stage() {  # stage NAME SECONDS COMMAND...: run it under a limit, keep its output, never stop the others
-    local name=$1 limit=$2
+stage() {  # stage NAME SECONDS COMMAND...: run it under a limit (clipped to the deadline), keep its output
+    local name=$1 limit=$2 left
     shift 2
-    echo "=== $name (limit ${limit}s): $*"
-    local t0=$SECONDS
-    timeout "$limit" "$@" > >(tee -a "$OUT/$name.log") 2>&1
-    echo "=== $name: exit $? after $((SECONDS - t0)) s"
+    left=$((DEADLINE - SECONDS))
+    if [ "$left" -lt 20 ]; then echo "=== $name: skipped, ${left}s left before the deadline"; return; fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo "=== $name (limit ${limit}s) starts at ${SECONDS}s: $*"
+    local t0=$SECONDS rc
+    timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+    rc=$?
+    echo "=== $name: exit $rc after $((SECONDS - t0)) s; its last lines:"
+    grep -v '^\s*$' "$LOGS/$name.log" | tail -n 4 | cut -c1-1500
 }
 
-run() {
-    OUT=${OUT:-/tmp/out}
-    mkdir -p "$OUT"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    python3 -c "import torch, transformers, megatron.core; print(torch.__version__, transformers.__version__)"
+track() {  # the named stages, one after another
     for name in "$@"; do
         case $name in
+            weights_test)  # CUDA ipc into a GPU engine, exact; GPU tensors arrive exactly in another process
+                stage weights_test 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_weight_sync.py ;;
             weights)
-                stage weights_test 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_weight_sync.py
                 for mode in staged fresh; do
                     stage "bench_cuda_$mode" 90 python3 tools/weight_sync/bench.py --device cuda --ipc-mode $mode \
                         --size-mb 1024 --bucket-mb 256 --repeats 5
@@ -67,24 +75,77 @@ run() {
                 stage bench_cuda_engine 150 python3 tools/weight_sync/bench.py --device cuda --engine --size-mb 512 \
                     --bucket-mb 128 --repeats 3 ;;
             steps)
-                python3 tools/make_tiny_model.py --out /tmp/m05b --num-layers 24 --hidden-size 1024 \
-                    --vocab-size 151936 > /dev/null
+                stage make_05b 90 python3 tools/make_tiny_model.py --out /tmp/m05b --num-layers 24 --hidden-size 1024 \
+                    --vocab-size 151936
                 stage engine_steps 200 python3 benchmarks/engine_step_cost.py --device cuda --dtype bfloat16 \
-                    --model-path /tmp/m05b --k 1,8,64,256 --short 8 --long 40 --repeats 2 ;;
-            rollout)
-                stage queue_scheduling 240 python3 benchmarks/queue_scheduling.py --engine-device cuda --rounds 1
-                stage prompt_replication 240 python3 benchmarks/prompt_replication.py --engine-device cuda \
-                    --rounds 1 ;;
+                    --model-path /tmp/m05b --k 1,8,64,256 --short 8 --long 40 --repeats 2
+                stage engine_steps_tiny 120 python3 benchmarks/engine_step_cost.py --device cuda --dtype bfloat16 \
+                    --k 1,4,8,16,32,64 --short 8 --long 40 --repeats 3 ;;
+            rollout)  # the long-tail model travels in runs/bench_models (carry it) or is built here
+                stage queue_scheduling 200 python3 benchmarks/queue_scheduling.py --engine-device cuda --rounds 1
+                stage prompt_replication 160 python3 benchmarks/prompt_replication.py --engine-device cuda \
+                    --rounds 1 --chunk 4 ;;
+            rollout64)  # the same with as many slots per engine as a GPU serves at a flat step
+                stage queue_scheduling_64 150 python3 benchmarks/queue_scheduling.py --engine-device cuda --rounds 1 \
+                    --max-running 64 --steps 8 --skip 2
+                stage prompt_replication_64 150 python3 benchmarks/prompt_replication.py --engine-device cuda \
+                    --rounds 1 --chunk 4 --max-inflight 64 --steps 8 --skip 2 ;;
+            profile)  # where transformers CB's decode step goes on the ≈0.5B model (plain CB; CUDA graphs)
+                [ -f /tmp/m05b/config.json ] || stage make_05b 90 python3 tools/make_tiny_model.py --out /tmp/m05b \
+                    --num-layers 24 --hidden-size 1024 --vocab-size 151936
+                stage cb_profile 120 python3 benchmarks/cb_step_profile.py --model-path /tmp/m05b --device cuda \
+                    --k 1,8,64 --graphs ;;
+            ipc_split)  # the CUDA ipc sync's parts, 4 buckets of 256 MB and one of 1 GB
+                for mb in 256 1024; do
+                    stage "bench_cuda_bucket$mb" 60 python3 tools/weight_sync/bench.py --device cuda --ipc-mode staged \
+                        --size-mb 1024 --bucket-mb $mb --repeats 5
+                done ;;
+            contract_broadcast)
+                stage contract_broadcast 150 env MF_CONTRACT_BACKENDS=cuda python3 -m pytest -q -p no:cacheprovider \
+                    tests/contract/test_weight_sync_sglang.py -k broadcast ;;
+            async)
+                stage async_vs_sync 240 python3 benchmarks/async_vs_sync.py --engine-device cuda --rounds 1 ;;
+            quickstart)  # the README quickstart with trainer and engine on the one GPU
+                stage quickstart_one_gpu 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_pipeline.py \
+                    -k trainer_and_engine_on_one_gpu ;;
+            contract)  # the contract tier against the local engine on CUDA
+                stage contract_cuda 400 env MF_CONTRACT_BACKENDS=cuda python3 -m pytest -v -p no:cacheprovider \
+                    tests/contract ;;
             tier)
-                stage gpu_tier 330 python3 -m pytest -q -s -p no:cacheprovider tests/gpu ;;
+                stage gpu_tier 560 python3 -m pytest -q -s -p no:cacheprovider tests/gpu ;;
             *)
-                echo "unknown stage $name (weights, steps, rollout, tier)"; exit 2 ;;
+                echo "unknown stage $name (see the header)" ;;
         esac
     done
+}
+
+run() {  # run STAGES... [-- STAGES...]: the second list runs beside the first (correctness beside timing)
+    OUT=${OUT:-/tmp/out}
+    LOGS=/tmp/gpu_logs
+    DEADLINE=${GPU_DEADLINE:-500}  # seconds from here: every stage is cut to end by then
+    mkdir -p "$OUT" "$LOGS"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import torch, transformers, megatron.core; print(torch.__version__, transformers.__version__)"
+    local first=() beside=() into=first
+    for a in "$@"; do
+        if [ "$a" = "--" ]; then into=beside; elif [ $into = first ]; then first+=("$a"); else beside+=("$a"); fi
+    done
+    local pid=""
+    if [ ${#beside[@]} -gt 0 ]; then
+        track "${beside[@]}" > "$LOGS/beside.txt" 2>&1 &
+        pid=$!
+    fi
+    track "${first[@]}"
+    [ -n "$pid" ] && wait "$pid" && echo "--- beside:" && cat "$LOGS/beside.txt"
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader
+    tar -czf "$OUT/logs.tgz" -C "$LOGS" . && echo "logs: \$OUT/logs.tgz ($(du -h "$OUT/logs.tgz" | cut -f1))"
 }
 
 case ${1:-} in
     download) download ;;
     run) shift; run "$@" ;;
-    *) sed -n '2,19p' "$0"; exit 2 ;;
+    *) sed -n '2,28p' "$0"; exit 2 ;;
 esac

@@ -62,3 +62,19 @@ def test_trainer_throughput_moe_smoke() -> None:
     for key in ("tokens_per_s_padded", "tokens_per_s_packed", "tokens_per_s_bare", "tokens_per_s_replay"):
         assert result[key] > 0, key
     assert 0 <= result["padding_frac_packed"] < result["padding_frac_padded"] < 1
+
+
+def test_cb_step_profile_sees_the_generation_thread(tiny_models) -> None:
+    """benchmarks/cb_step_profile.py on the CPU: transformers CB decodes in its own thread, so the torch
+    profiler and the stack sampler must both see that thread (ops of the model's forward, CB's step)."""
+    proc = run_tool(["benchmarks/cb_step_profile.py", "--model-path", tiny_models["llama"], "--device", "cpu",
+                     "--dtype", "float32", "--k", "1,4", "--short", "2", "--long", "10", "--repeats", "1"])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    engine = result["engine"]
+    assert set(engine["step_s"]) == {"1", "4"} and all(v > 0 for v in engine["step_s"].values()), engine
+    prof = engine["profile"]
+    assert prof["k"] == 4 and prof["tokens"] == 10 and prof["seconds_per_step"] > 0, prof
+    ops = [name for name, _, _ in prof["top_ops"]]
+    assert any(name in ops for name in ("aten::mm", "aten::addmm", "aten::linear")), ops
+    functions = [name for name, _ in prof["top_functions"]]
+    assert prof["samples"] > 0 and "continuous_api.py:_generation_step" in functions, functions

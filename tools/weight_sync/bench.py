@@ -254,7 +254,7 @@ def receiver_main(conn: Any, shapes: list[tuple[str, tuple[int, ...], str]], tra
     device = options.get("device", "cpu")
     sync = device_sync(device)
     tensors = {n: torch.zeros(s, dtype=getattr(torch, d), device=device) for n, s, d in shapes}  # pages exist
-    group, maps, probe = None, SharedBufferMaps(), None
+    group, maps, probe, split = None, SharedBufferMaps(), None, {}
     if transport == "broadcast":
         from megatron_flash.engines.process_group import new_weight_update_group
 
@@ -264,11 +264,19 @@ def receiver_main(conn: Any, shapes: list[tuple[str, tuple[int, ...], str]], tra
     while True:
         kind, *body = conn.recv()
         if kind == "begin":
-            probe = PeakProbe()
+            probe, split = PeakProbe(), {}
         elif kind == "fresh":  # bridge.py / CPU engine: unpickle the flattened bucket, copy each tensor
-            for name, t in read_tensor_payload(body[0], body[1] if len(body) > 1 else "flattened_bucket"):
+            t0 = time.perf_counter()
+            items = list(read_tensor_payload(body[0], body[1] if len(body) > 1 else "flattened_bucket"))
+            t1 = time.perf_counter()
+            for name, t in items:
                 tensors[name].copy_(t)
+            t2 = time.perf_counter()
             sync()  # as the engine: the sender may reuse its CUDA buffers after the ack
+            del items
+            t3 = time.perf_counter()
+            for part, dt in (("open", t1 - t0), ("copy", t2 - t1), ("sync", t3 - t2)):
+                split[part] = split.get(part, 0.0) + dt
             conn.send(("ack",))
         elif kind == "staged":  # the local engine's receiving side: buffers mapped once, pieces copied out
             spec, entries = body
@@ -290,7 +298,8 @@ def receiver_main(conn: Any, shapes: list[tuple[str, tuple[int, ...], str]], tra
                     tensors[name].copy_(t)
             conn.send(("ack",))
         elif kind == "end":
-            conn.send(("stats", {"peak_extra_mb": probe.extra_mb() if probe else None, "checksum": checksum(tensors)}))
+            conn.send(("stats", {"peak_extra_mb": probe.extra_mb() if probe else None, "checksum": checksum(tensors),
+                                 "split": split}))
         elif kind == "stop":
             break
     if group is not None:
@@ -464,7 +473,7 @@ def run_transport(args: argparse.Namespace) -> dict[str, Any]:
     receiver = ctx.Process(target=receiver_main, args=(child, shapes, args.transport, options), daemon=True)
     receiver.start()
     sender = Sender(args, parent)
-    seconds, sender_peaks, receiver_peaks, verified = [], [], [], True
+    seconds, sender_peaks, receiver_peaks, splits, verified = [], [], [], [], True
     try:
         t_setup = time.perf_counter()
         sender.setup(state, port)
@@ -485,6 +494,7 @@ def run_transport(args: argparse.Namespace) -> dict[str, Any]:
             parent.send(("end",))
             _, stats = parent.recv()
             receiver_peaks.append(stats["peak_extra_mb"])
+            splits.append(stats["split"])
             verified = verified and stats["checksum"] == want
         parent.send(("stop",))
         receiver.join(60)
@@ -507,6 +517,10 @@ def run_transport(args: argparse.Namespace) -> dict[str, Any]:
             "ratio_to_memcpy": round(gbps / memcpy_gbps, 4),
             "ratio_best": round(nbytes / min(seconds) / 1e9 / memcpy_best, 4), "peak_extra_mb": max(sender_peaks),
             "receiver_peak_extra_mb": max(receiver_peaks),
+            # the receiver's seconds per sync (median over repeats) in unpickling (CUDA: opening the IPC
+            # handles), copying out, synchronizing; the rest of `seconds` is the sender and the pipe
+            "receiver_split_s": {part: round(statistics.median(s.get(part, 0.0) for s in splits), 5)
+                                 for part in ("open", "copy", "sync")} if any(splits) else None,
             "peak_source": "VmHWM-VmRSS (clear_refs reset)" if args.device == "cpu" else "sender: CUDA max allocated",
             "checksum": want, "verified": verified}
 

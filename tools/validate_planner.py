@@ -103,6 +103,14 @@ ENGINE_PER_REQUEST_S = 0.0015
 # each speedup here"). Modelled as a serial server in front of the engines.
 CLIENT_CPU_PER_REQUEST_S = 0.0012
 
+# The local engine on CUDA (H200, bf16, transformers CB; 2026-11-26 18:53, docs/benchmarks.md "GPU box, session
+# 2026-11-26"): `benchmarks/engine_step_cost.py --device cuda --dtype bfloat16 --k 1,4,8,16,32,64 --short 8
+# --long 40 --repeats 3`, the 2 × 64 model, while the quickstart test used the same GPU. k = 32 and 64 came out
+# as noise (46.8 ms and negative) and are left out: beyond 16 the curve is extrapolated. Per request at 4
+# running: 0.94 ms.
+STEP_H200_L2_H64 = [(1, 0.00307), (4, 0.00345), (8, 0.00339), (16, 0.00525)]
+ENGINE_PER_REQUEST_H200 = 0.00094
+
 # Response lengths (tokens incl. the end token) the long-tail model generated: 1280 responses of
 # runs/bench_queue_s3/queue_r0/groups.jsonl (session 3); 40 = max_new_tokens (cut). Mean 11.1; the target
 # P(k) ∝ 1/k, k ≤ 32 (planner.inv_k_lengths(32)) has mean 7.9: the model learned it loosely.
@@ -181,6 +189,12 @@ MEASURED: dict[str, dict] = {
                  "tag": ", 2026-11-24 curve",
                  "batch": 0.7878, "batch_rounds": [0.813, 0.763], "queue": 0.7344, "queue_rounds": [0.743, 0.726],
                  "no_extra": 0.7086, "no_extra_rounds": [0.707, 0.710]},
+    # queue_scheduling.py with its two engines on the H200 (bf16), 1 round, 2026-11-26 18:55-18:58, beside the
+    # contract tier on the same GPU: `python benchmarks/queue_scheduling.py --engine-device cuda --rounds 1`.
+    "queue_h200": {"cmd": "python benchmarks/queue_scheduling.py --engine-device cuda --rounds 1 (H200)",
+                   "tag": ", engines on an H200, their standalone curve",
+                   "batch": 3.0795, "batch_rounds": [3.080], "queue": 3.0718, "queue_rounds": [3.072],
+                   "no_extra": 3.4549, "no_extra_rounds": [3.455]},
     # env_async.py on 2026-11-24 14:33-14:38, 2-core box, quiet (load 0.4-0.7): `OMP_NUM_THREADS=1 python
     # benchmarks/env_async.py --mu-ms 100,300 --repeats 3 --redundancy 0`, medians of 3.
     "env300_s7": {"cmd": "OMP_NUM_THREADS=1 python benchmarks/env_async.py --mu-ms 100,300 --repeats 3 --redundancy 0",
@@ -497,6 +511,10 @@ def validate(*, seeds: int, steps: int, log: Callable[[str], None] = print) -> d
     alone16 = CostSet("alone", step_small=STEP16_L2_H64)
     fitted16 = CostSet("stage time", step_small=STEP16_L2_H64)
     rows += prompt_replication(8, [alone16, fitted16], req16, seeds=seeds, steps=steps, key="rep8_16core")
+    # The engines on a GPU: the planner fed with the CUDA decode curve of the same session (nothing fitted).
+    rows += queue_scheduling([CostSet("alone", step_small=STEP_H200_L2_H64, request_s=ENGINE_PER_REQUEST_H200,
+                                      client_s=CLIENT_CPU_PER_REQUEST_S7)], {}, seeds=seeds, steps=steps,
+                             key="queue_h200")
     for r in rows:
         r.setdefault("same_hour", False)
     return {"rows": rows, "request_engine_s": {"2-core": round(req["stage time"], 6),

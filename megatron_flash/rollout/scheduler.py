@@ -153,8 +153,13 @@ class RolloutScheduler:
     def stop(self) -> None:
         """Thread-safe: stop admitting; the run loop aborts what is in flight and returns."""
         self._stopping = True
-        if self._loop is not None and self._wake is not None:
-            self._loop.call_soon_threadsafe(self._wake.set)
+        loop = self._loop
+        if loop is None or self._wake is None or loop.is_closed():
+            return  # not started, or the loop already ended (an error stops it): nothing to wake
+        try:
+            loop.call_soon_threadsafe(self._wake.set)
+        except RuntimeError:  # the loop closed between the check and the call
+            pass
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> None:

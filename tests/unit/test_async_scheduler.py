@@ -380,6 +380,7 @@ def test_an_engine_without_routes_stops_the_run_naming_it_and_the_flag() -> None
     h.scheduler.stop()
     h.thread.join(10)
     assert not h.thread.is_alive()
+    h.scheduler.stop()  # the trainer's shutdown after the loop ended (and closed): nothing to wake, no error
 
 
 @pytest.mark.parametrize("length, expected_penalty", [(2, 0.0), (4, 0.75), (5, 1.125), (6, 1.5)])

@@ -10,20 +10,23 @@
 # correctness ones: they share the GPU and the cores with the timings, which the numbers must say).
 # Every stage is cut to end by GPU_DEADLINE seconds; its output is in $OUT/logs.tgz (<stage>.log).
 #
-#   weights       tools/weight_sync/bench.py --device cuda at 1 GB: flat persistent buffers (staged) vs
-#                 one handle per tensor (fresh), ratio to a D2D copy; the bridge into a GPU engine
-#   steps         benchmarks/engine_step_cost.py --device cuda: a ≈0.5B bf16 model (24 × 1024, 152k
-#                 vocab) at 1…256 sequences with the engine's per-step split, and the tiny model's curve
-#                 (the rollout benchmarks' model: the planner's input for them)
-#   rollout       queue_scheduling.py and prompt_replication.py with --engine-device cuda, one round each
-#   rollout64     the same with 64 slots per engine (a GPU's step is flat to there)
+# Seconds each took on an H200 (2026-11-26; the install and start-up take ≈ 20 s, a machine start ≈ 30 s):
+#
+#   weights       (65)  tools/weight_sync/bench.py --device cuda at 1 GB: flat persistent buffers (staged) vs
+#                       one handle per tensor (fresh), ratio to a D2D copy; the bridge into a GPU engine
+#   steps         (100) benchmarks/engine_step_cost.py --device cuda: a ≈0.5B bf16 model (24 × 1024, 152k
+#                       vocab) at 1…256 sequences with the engine's per-step split, and the tiny model's curve
+#                       (the rollout benchmarks' model: the planner's input for them)
+#   rollout       (≈ 360) queue_scheduling.py (195) and prompt_replication.py with --engine-device cuda, one
+#                       round each
+#   rollout64     (> 270) the same with 64 slots per engine, 8 steps (neither finished in 150 s)
 #   profile       benchmarks/cb_step_profile.py on the ≈0.5B model: where transformers CB's step goes
 #   ipc_split     the CUDA ipc sync with 256 MB and 1 GB buckets, the receiver's open/copy/sync split
 #   async         async_vs_sync.py with --engine-device cuda, one round
-#   weights_test  tests/gpu/test_gpu_weight_sync.py (CUDA ipc into a GPU engine, exact)
-#   quickstart    the README quickstart with trainer and engine on the one GPU (tests/gpu)
-#   contract      the contract tier (tests/contract) against the local engine on CUDA
-#   contract_broadcast   its broadcast weight-sync case alone
+#   weights_test  (95)  tests/gpu/test_gpu_weight_sync.py (CUDA ipc into a GPU engine, exact)
+#   quickstart    (85)  the README quickstart with trainer and engine on the one GPU (tests/gpu)
+#   contract      (230) the contract tier (tests/contract) against the local engine on CUDA
+#   contract_broadcast (110) its broadcast weight-sync case alone
 #   tier          the whole tests/gpu tier (longer than one call: about 10 min on an H100)
 # docs/benchmarks.md says where each number goes.
 set -u
@@ -147,5 +150,5 @@ run() {  # run STAGES... [-- STAGES...]: the second list runs beside the first (
 case ${1:-} in
     download) download ;;
     run) shift; run "$@" ;;
-    *) sed -n '2,28p' "$0"; exit 2 ;;
+    *) sed -n '2,31p' "$0"; exit 2 ;;
 esac

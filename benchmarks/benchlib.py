@@ -237,22 +237,56 @@ class CpuMonitor:
                 "cores_others": max(0.0, d["machine"] - d["proc"] - d["engines"])}
 
 
+def checkout(rev: str, *, name: str = "bench") -> tuple[str, str]:
+    """(commit, directory) of another revision's tree, exported once under runs/compare/<commit>
+    (`git archive`, no worktree bookkeeping): its launcher and package run instead of this checkout's."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=REPO, check=True,
+                                capture_output=True, text=True).stdout.strip()
+    except subprocess.CalledProcessError as err:
+        raise SystemExit(f"{name}: --compare {rev!r} is not a commit of this repository: {err.stderr.strip()}")
+    out = os.path.join(REPO, "runs", "compare", commit[:12])
+    if not os.path.isfile(os.path.join(out, "launch", "pretrain_async_rl.py")):
+        tmp = out + ".part"
+        subprocess.run(["rm", "-rf", tmp], check=True)
+        os.makedirs(tmp)
+        archive = subprocess.Popen(["git", "archive", commit], cwd=REPO, stdout=subprocess.PIPE)
+        subprocess.run(["tar", "-x", "-C", tmp], stdin=archive.stdout, check=True)
+        if archive.wait() != 0:
+            raise SystemExit(f"{name}: git archive {commit} failed")
+        os.replace(tmp, out)
+    return commit, out
+
+
+def head_label() -> str:
+    """This checkout's commit, with `+dirty` when the tracked files differ from it."""
+    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "megatron_flash", "launch", "configs"],
+                           cwd=REPO).returncode != 0
+    return commit + ("+dirty" if dirty else "")
+
+
 def run_pipeline(*, model: str, run_dir: str, overrides: Sequence[str], num_engines: int = 1,
                  config: str = "configs/quickstart_cpu.yaml", timeout_s: float = 900, name: str = "bench",
-                 monitor: bool = False) -> tuple[list[dict], Optional[CpuMonitor]]:
+                 monitor: bool = False, code: str = REPO) -> tuple[list[dict], Optional[CpuMonitor]]:
     """One run of launch/pretrain_async_rl.py in its own process; returns metrics.jsonl's rows and,
-    with monitor=True, the CPU monitor of the run."""
+    with monitor=True, the CPU monitor of the run. `code`: the tree whose launcher, config and package
+    run (another revision's, from `checkout`); models and run directories stay where they are."""
     os.makedirs(run_dir, exist_ok=True)
     metrics = os.path.join(run_dir, "metrics.jsonl")
     for stale in (metrics, os.path.join(run_dir, "groups.jsonl")):
         if os.path.exists(stale):
             os.remove(stale)  # one run's rows, not an append of several
-    cmd = [sys.executable, os.path.join(REPO, "launch/pretrain_async_rl.py"), "--config", os.path.join(REPO, config),
+    cmd = [sys.executable, os.path.join(code, "launch/pretrain_async_rl.py"), "--config", os.path.join(code, config),
            f"model.hf_path={model}", f"logging.dir={run_dir}", f"engines.num_engines={num_engines}",
            f"engines.base_port={free_ports(num_engines)}", *BASE_OVERRIDES, *overrides]
+    run_env = env()
+    if code != REPO:  # the other tree's package first, before the installed (editable) checkout
+        run_env["PYTHONPATH"] = os.pathsep.join([code, os.path.join(code, "benchmarks"), run_env["PYTHONPATH"]])
     t0 = time.monotonic()
     with open(os.path.join(run_dir, "stdout.log"), "w") as out:
-        proc = subprocess.Popen(cmd, env=env(), cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=run_env, cwd=code, stdout=out, stderr=subprocess.STDOUT)
         mon = CpuMonitor(proc.pid, metrics) if monitor and os.path.isdir("/proc") else None
         try:
             rc = proc.wait(timeout=timeout_s)

@@ -87,6 +87,8 @@ class Controller:
         self._skipped_at_load = 0  # prompts that could never fit the engines' context
         self._nonfinite_run = 0  # optimizer steps skipped in a row for a non-finite gradient
         self._trained = False  # the policy's weights are one update ahead of self.version (push pending)
+        self.version_check: Any = None  # trainer/version_check.VersionCheck, when trainer.version_check_interval
+        self._check_metrics: dict[str, float] = {}
 
     # ================================================================== the loop (one screen)
     def run(self) -> dict[str, Any]:
@@ -129,10 +131,17 @@ class Controller:
         torch.manual_seed(cfg.trainer.seed)
         self.loss, self.loss_fn = _loss_fns(cfg.loss, self._loss, cfg.rollout.max_new_tokens)
         self.staleness = StalenessManager(alpha=cfg.async_rl.alpha, batch_size=self.batch_size,
-                                          extra=cfg.rollout.extra_prompts * cfg.rollout.n_samples_per_prompt)
+                                          extra=cfg.rollout.extra_prompts * cfg.rollout.n_samples_per_prompt,
+                                          admission=cfg.async_rl.admission)
         if self.mode.trains:
             self.policy = _build_policy(cfg)
             self.rank = self.policy.layout.rank
+            if cfg.trainer.version_check_interval and self.mode.generates:  # replayed labels name other runs' weights
+                from megatron_flash.trainer.version_check import VersionCheck
+
+                self.version_check = VersionCheck(self.policy, interval=cfg.trainer.version_check_interval,
+                                                  alpha=cfg.async_rl.alpha,
+                                                  mixed_after_push=cfg.rollout.pause_mode == "in_place")
             if self.policy.layout.world_size > 1:  # control messages (batches, stop) go over gloo
                 # The other ranks wait here while rank 0 waits for a rollout batch: both deadlines.
                 wait = cfg.parallel.collective_timeout_s + cfg.async_rl.batch_timeout_s
@@ -382,6 +391,8 @@ class Controller:
             return batch
         batch, self._overlong = recipes.overlong_filter(samples, batch, enabled=self.cfg.rollout.overlong_filter)
         batch = batch.replace(staleness=torch.tensor([staleness(self.version, s.version_start) for s in samples]))
+        if self.version_check is not None:  # before training: the weights are still version V's
+            self._check_metrics = self.version_check.step(self.version, samples, batch)
         if self.loss.needs_proximal:  # π_prox = the weights this step starts from (version V)
             batch = batch.replace(proximal_logprobs=self.policy.compute_logprobs(batch)[0] * batch.loss_mask)
         if getattr(self.loss, "needs_reference", False):  # KL(π_θ‖π_ref) against the start checkpoint
@@ -520,6 +531,10 @@ class Controller:
                 m["overlong_penalized"] = stats.overlong_penalized
                 m["overlong_penalty_mean"] = stats.overlong_penalty_sum / max(stats.overlong_penalized, 1)
         m.update(recipes.length_bias(samples, self.staleness.take_drop_lengths()))
+        m.update(recipes.token_staleness(samples, self.version - 1))
+        m["rollout_lookahead"] = c.lookahead
+        m.update(self._check_metrics)
+        self._check_metrics = {}
         m.update(sync_metrics)
         m.setdefault("train_infer_logprob_diff", None)  # neither a probe nor fresh samples this step
         m.setdefault("mismatch_k3", None)  # no fresh sample, or a loss without π_prox

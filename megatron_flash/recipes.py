@@ -71,3 +71,13 @@ def length_bias(trained: Sequence[Any], dropped: dict[str, list[int]]) -> dict[s
     out.update(stats("dropped_stale", dropped.get("stale", [])))
     out.update(stats("dropped_filtered", dropped.get("filtered", [])))
     return out
+
+
+def token_staleness(samples: Sequence[Any], version: int) -> dict[str, Any]:
+    """Staleness of the weights that sampled each trained token (version − its label), not of the
+    sample's start: a sample started at v whose tokens came after a push is fresher than V − v says.
+    Tokens of unknown version are left out."""
+    lags = [version - v for s in samples for v, m in zip(s.versions_per_token(), s.response_mask or
+                                                           [1] * len(s.response_ids)) if m and v >= 0]
+    return {"staleness_token_mean": sum(lags) / len(lags) if lags else None,
+            "staleness_token_max": max(lags) if lags else None}

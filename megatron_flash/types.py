@@ -26,7 +26,9 @@ class Sample:
     finished: bool = True
     version_start: int = 0  # policy version when generation started
     version_end: int = 0  # policy version that produced the last token
-    token_versions: Optional[list[int]] = None  # per response token, when generation spanned a push
+    token_versions: Optional[list[int]] = None
+    """Per response token, when they differ (generation spanned a push) or some are unknown (−1: an
+    engine without weight-version spans answered across a push); None = every token is version_end's."""
     prompt_index: int = -1  # the dataset item the prompt came from
     finish_reason: str = "stop"  # stop | length (abort never reaches training)
     reward_failed: bool = False
@@ -53,6 +55,12 @@ class Sample:
             if self.routed_experts.dim() != 2 or self.routed_experts.shape[0] != rows:
                 raise ValueError(f"sample has {rows + 1} tokens, so routed_experts must be [{rows}, layers * "
                                  f"top_k], got shape {tuple(self.routed_experts.shape)}")
+
+    def versions_per_token(self) -> list[int]:
+        """The policy version that sampled each response token (−1 = unknown)."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [self.version_end] * len(self.response_ids)
 
 
 def decode_routes(text: str, rows: int) -> torch.Tensor:

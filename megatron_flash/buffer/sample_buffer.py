@@ -102,7 +102,8 @@ class SampleBuffer:
         """Block until whole groups totalling exactly `num_samples` trainable samples are buffered
         and nothing expiring after this step is in flight; remove and return them (oldest start
         version first). Raises TimeoutError after `timeout_s`, BufferClosed if the producer stopped."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        entered = time.monotonic()
+        deadline = None if timeout_s is None else entered + timeout_s
         with self._cond:
             while True:
                 self._evict_locked()
@@ -117,6 +118,9 @@ class SampleBuffer:
                     chosen = set(map(id, picked))
                     self._groups = [g for g in self._groups if id(g) not in chosen]
                     self.staleness.on_consume(num_samples)
+                    now = time.monotonic()
+                    self.staleness.note_take(waited_s=now - entered, now=now,
+                                             surplus=sum(len(g) for g in self._groups))
                     return picked
                 if self._is_closed:
                     raise BufferClosed("the rollout side stopped before a full batch was ready") from self._closed

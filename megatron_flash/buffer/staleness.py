@@ -40,6 +40,30 @@ then ever dropped as stale, whatever the latency tail.
 Eviction. At step V a buffered sample with V − v > α can never be trained again (V only grows):
 it is evicted (dropped or regenerated, config `async_rl.stale_policy`). Only over-admission
 (`extra`) or a resume makes that happen.
+
+Lookahead (`async_rl.admission=adaptive`). α bounds staleness; it is not a target. Admitting up to
+(V + α + 1)·B means a rollout faster than training generates every sample as early as the bound
+allows: it then waits finished in the buffer for α steps, as stale as allowed and for no speed
+(the trainer was never waiting). Adaptive admission admits up to (V + L + 1)·B with a lookahead L in
+[min(1, α), α] (L = α is `eager`), moved by one after each batch the trainer takes:
+
+    the trainer waited for rollout longer than WAIT_TOLERANCE of the step   →  L + 1  (up to α)
+    a whole batch of finished samples was still buffered after the take     →  L − 1  (down to 1)
+
+L = 1 still overlaps all generation with training (the next batch is generated while this one
+trains); larger L only buys speed when rollout is the bottleneck (a long latency tail), and then the
+trainer's wait raises it. Worked example, B = 4, α = 2, a rollout that finishes every admitted sample
+at once:
+
+    event                                 V  consumed  outstanding  L  limit (V+L+1)·B
+    start                                 0      0          0       1   8   → start 8 (v = 0)
+    take batch 0 (waited: first take)     0      4          4       1       (first take: L kept)
+    push → V = 1                          1      4          4       1  12   → start 4 (v = 1)
+    take batch 1 (v = 0), 4 left buffered 1      8          4       1       (≥ B, but L is at 1)
+    push → V = 2                          2      8          4       1  16   → start 4 (v = 2)
+
+every sample trains one version after it started; eager admission (L = 2) would have started 12 at
+v = 0 and trained every later sample two versions after its start, at the same speed.
 """
 
 from __future__ import annotations
@@ -60,8 +84,31 @@ def is_trainable(version: int, version_start: int, alpha: int) -> bool:
 
 
 def capacity(*, version: int, alpha: int, batch_size: int, extra: int, consumed: int, outstanding: int) -> int:
-    """Samples the rollout side may start now (negative = over-admitted, e.g. after drops)."""
+    """Samples the rollout side may start now (negative = over-admitted, e.g. after drops). `alpha`
+    is the admission lookahead: α itself for eager admission."""
     return (version + alpha + 1) * batch_size + extra - consumed - outstanding
+
+
+ADMISSIONS = ("adaptive", "eager")
+WAIT_TOLERANCE = 0.05
+"""A trainer wait for rollout up to this share of the step is noise (a reply in flight, the GIL), not
+a rollout bottleneck that more lookahead would hide."""
+
+
+def lookahead_floor(alpha: int) -> int:
+    """The least lookahead that still overlaps generation with training (0 only when α = 0)."""
+    return min(1, alpha)
+
+
+def next_lookahead(lookahead: int, *, alpha: int, waited_s: float, period_s: float, surplus: int,
+                   batch_size: int) -> int:
+    """The lookahead after a take that waited `waited_s` of a `period_s` step (take to take) and left
+    `surplus` finished samples buffered (see "Lookahead" above)."""
+    if period_s > 0 and waited_s > WAIT_TOLERANCE * period_s:
+        return min(lookahead + 1, alpha)
+    if surplus >= batch_size:
+        return max(lookahead - 1, lookahead_floor(alpha))
+    return lookahead
 
 
 @dataclasses.dataclass
@@ -77,19 +124,25 @@ class StalenessCounters:
     cancelled: int = 0
     skipped: int = 0
     """Samples of prompts an engine refused (HTTP 4xx), never retried."""
+    lookahead: int = 0
+    """Not a count: the admission lookahead L (batches) when the counters were read."""
 
 
 class StalenessManager:
     """Thread-safe counters + the capacity rule. The rollout thread asks `try_admit`; the trainer
     thread reports `on_consume`; anyone reports drops. Counts are in samples."""
 
-    def __init__(self, *, alpha: int, batch_size: int, extra: int = 0) -> None:
+    def __init__(self, *, alpha: int, batch_size: int, extra: int = 0, admission: str = "eager") -> None:
         if alpha < 0 or batch_size < 1 or extra < 0:
             raise ValueError(f"need alpha >= 0, batch_size >= 1, extra >= 0; got {alpha}, {batch_size}, {extra}")
-        self.alpha, self.batch_size, self.extra = alpha, batch_size, extra
+        if admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}; got {admission!r}")
+        self.alpha, self.batch_size, self.extra, self.admission = alpha, batch_size, extra, admission
         self.counters = StalenessCounters()
         self._lock = threading.Lock()
         self._version = 0
+        self._lookahead = alpha if admission == "eager" else lookahead_floor(alpha)
+        self._last_take: float | None = None  # monotonic time the trainer's previous batch was handed out
         self._in_flight: dict[int, int] = {}  # start version → samples admitted, not yet landed
         self._drop_lengths: dict[str, list[int]] = {}
 
@@ -103,10 +156,25 @@ class StalenessManager:
                 raise AssertionError(f"policy version went backwards: {self._version} → {version}")
             self._version = version
 
+    @property
+    def lookahead(self) -> int:
+        return self._lookahead
+
     def capacity(self) -> int:
         c = self.counters
-        return capacity(version=self._version, alpha=self.alpha, batch_size=self.batch_size, extra=self.extra,
+        return capacity(version=self._version, alpha=self._lookahead, batch_size=self.batch_size, extra=self.extra,
                         consumed=c.consumed, outstanding=c.outstanding)
+
+    def note_take(self, *, waited_s: float, surplus: int, now: float) -> None:
+        """The trainer took a batch after waiting `waited_s`, leaving `surplus` finished samples
+        buffered: adaptive admission moves its lookahead (the first take, with no step before it to
+        compare against, only starts the clock)."""
+        with self._lock:
+            if self.admission == "adaptive" and self._last_take is not None:
+                self._lookahead = next_lookahead(self._lookahead, alpha=self.alpha, waited_s=waited_s,
+                                                 period_s=now - self._last_take, surplus=surplus,
+                                                 batch_size=self.batch_size)
+            self._last_take = now
 
     def try_admit(self, num_samples: int) -> int | None:
         """Admit `num_samples` (one group) if capacity allows; returns the start version, else None.
@@ -159,7 +227,7 @@ class StalenessManager:
     def snapshot(self) -> StalenessCounters:
         """A consistent copy of the counters (the rollout thread updates them in pairs, under the lock)."""
         with self._lock:
-            return dataclasses.replace(self.counters)
+            return dataclasses.replace(self.counters, lookahead=self._lookahead)
 
     def take_drop_lengths(self) -> dict[str, list[int]]:
         """Response lengths of finished samples dropped since the last call, by reason (stale covers
@@ -174,3 +242,5 @@ class StalenessManager:
             self._version = version
             self._in_flight = {}
             self.counters = StalenessCounters(consumed=consumed, submitted=consumed)
+            self._lookahead = self.alpha if self.admission == "eager" else lookahead_floor(self.alpha)
+            self._last_take = None

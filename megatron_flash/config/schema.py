@@ -27,6 +27,7 @@ DYNAMIC_FILTERS = ("none", "nonzero_std")  # built-ins; "module:function" names 
 PAUSE_MODES = ("abort", "retract", "in_place")
 ROLLOUT_RUNNERS = ("thread", "process")
 STALE_POLICIES = ("drop", "regenerate")
+ADMISSIONS = ("adaptive", "eager")  # = buffer/staleness.py ADMISSIONS (a unit test keeps them equal)
 ENGINE_BACKENDS = ("cpu", "sglang", "attach")
 WEIGHT_TRANSPORTS = ("ipc", "broadcast", "disk")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -235,6 +236,13 @@ class TrainerConfig(_Section):
     max_nonfinite_steps: int = 3
     """A step whose gradient has a NaN/inf anywhere is skipped (no update, counted as
     train/nonfinite_skipped); this many in a row stop the run, the last batch's samples dumped."""
+    version_check_interval: int = 4
+    """Every this many policy versions the trainer keeps a host copy of its weights until no sample
+    can hold tokens of that version (alpha steps) and scores the trained tokens labelled with it under
+    those weights: mismatch_labelled_abs, the train–inference gap at the labelled version (≈1e-6 in
+    fp32; a wrong version label shows as the policy's movement). 1 = every version (α + 1 copies: the
+    diagnostic mode), 0 = off. Costs a copy of this rank's weights in host memory and one forward of
+    the checked samples per step that has any (trainer/version_check.py)."""
 
     def validate(self) -> None:
         for name in ("total_steps", "micro_batch_size", "global_batch_size", "num_epochs",
@@ -243,6 +251,7 @@ class TrainerConfig(_Section):
         self._at_least("seed", 0)
         self._at_least("max_seq_len", 2)
         self._at_least("max_nonfinite_steps", 1)
+        self._at_least("version_check_interval", 0)
         if not self.pack_sequences:  # fixed micro-batches of micro_batch_size samples
             self._require(self.global_batch_size % self.micro_batch_size == 0, "global_batch_size",
                           f"must be divisible by trainer.micro_batch_size={self.micro_batch_size}")
@@ -449,6 +458,11 @@ class AsyncConfig(_Section):
     generation started at v with V − v <= alpha); 0 = synchronous."""
     stale_policy: str = "drop"
     """What happens to a sample that exceeds alpha: drop | regenerate (re-queue its prompt)."""
+    admission: str = "adaptive"
+    """How far ahead of training rollout starts samples: adaptive (one batch ahead, more — up to
+    alpha — only while the trainer waits for rollout; fewer again once a whole batch sits finished:
+    no staleness that buys no speed) | eager (always up to alpha batches ahead). The metric
+    rollout_lookahead shows the choice; buffer/staleness.py "Lookahead" has the rule."""
     batch_timeout_s: float = 600.0
     """The trainer stops with an error (after saving what it can) when no full batch arrives for
     this long."""
@@ -456,6 +470,10 @@ class AsyncConfig(_Section):
     def validate(self) -> None:
         self._at_least("alpha", 0)
         self._one_of("stale_policy", STALE_POLICIES)
+        self._one_of("admission", ADMISSIONS)
+        if self.alpha == 0 and self.admission != "adaptive":
+            raise ValueError(f"async_rl.admission={self.admission!r} needs async_rl.alpha >= 1 (at alpha=0 rollout "
+                             "never runs ahead, so there is nothing to admit early)")
         self._positive("batch_timeout_s")
 
 

@@ -155,8 +155,17 @@ class GenerateResult:
         return self.weight_version
 
 
+INITIAL_WEIGHT_VERSION = "default"
+"""SGLang's label of the weights an engine started with (--weight-version's default)."""
+
+
 def version_number(value: Any) -> Optional[int]:
-    """A weight version label as the policy version it names (runs label versions 0, 1, …), else None."""
+    """A weight version label as the policy version it names (runs label versions 0, 1, …), else None.
+    SGLang's initial label names version 0: an engine serves its start checkpoint (model.hf_path) only
+    in a fresh run before the first push — a resumed run, and an engine restarted mid-run, are
+    re-synced (and so re-labelled) before they serve."""
+    if value == INITIAL_WEIGHT_VERSION:
+        return 0
     try:
         return int(value)
     except (TypeError, ValueError):

@@ -164,7 +164,8 @@ def _build(spec: dict[str, Any]) -> dict[str, Any]:
     from megatron_flash.buffer.staleness import StalenessManager
     from megatron_flash.rollout.runtime import RolloutRuntime
 
-    staleness = StalenessManager(alpha=spec["alpha"], batch_size=spec["batch_size"], extra=spec["extra"])
+    staleness = StalenessManager(alpha=spec["alpha"], batch_size=spec["batch_size"], extra=spec["extra"],
+                                 admission=spec["admission"])
     staleness.set_version(spec["version"])
     holder: dict[str, Any] = {}
     regenerate = spec["stale_policy"] == "regenerate"

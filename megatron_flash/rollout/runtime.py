@@ -221,6 +221,7 @@ class RolloutRuntime:
             "tokenizer": self.tokenizer, "model_path": self.model_path, "urls": self.urls,
             "dump_groups": self.dump_groups, "return_routed_experts": self.return_routed_experts,
             "alpha": self.staleness.alpha, "batch_size": self.staleness.batch_size, "extra": self.staleness.extra,
+            "admission": self.staleness.admission,
             "version": self.staleness.version, "counters": self.staleness.snapshot(),
             "stale_policy": self.buffer.stale_policy, "restore": restore, "parent_pid": os.getpid()})
         self.buffer, self.staleness = self._remote.buffer, self._remote.staleness

@@ -453,7 +453,8 @@ class RolloutScheduler:
         outcome = await self.reward_pool.score(self.decode(ids), prompt.answer, finished=finished,
                                                prompt=prompt.text, meta=getattr(prompt, "meta", None))
         known = [v for v in versions if v is not None]
-        token_versions = versions if len(known) == len(versions) and len(set(known)) > 1 else None
+        token_versions = ([-1 if v is None else v for v in versions]
+                          if len(known) < len(versions) or len(set(known)) > 1 else None)
         s = self.settings
         penalty = overlong_penalty(len(ids), max_new_tokens=s.max_new_tokens, buffer_len=s.overlong_buffer_len,
                                    penalty=s.overlong_penalty)

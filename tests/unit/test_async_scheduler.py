@@ -149,8 +149,8 @@ class Harness:
 def start(*, alpha: int, batch: int, n: int, proxy: FakeProxy, extra: int = 0, stale_policy: str = "drop",
           replication: bool = True, group_filter=lambda r: True, rewards: Optional[Rewards] = None,
           max_new_tokens: int = 6, chunk: int = 1, routes: bool = False, overlong: tuple[int, float] = (0, 1.0),
-          dataset: Any = None) -> Harness:
-    m = StalenessManager(alpha=alpha, batch_size=batch, extra=extra * n)
+          dataset: Any = None, admission: str = "eager") -> Harness:
+    m = StalenessManager(alpha=alpha, batch_size=batch, extra=extra * n, admission=admission)
     holder: dict[str, RolloutScheduler] = {}
     buf = SampleBuffer(m, stale_policy=stale_policy,
                        on_evict=lambda g: holder["s"].requeue_prompt(g) if stale_policy == "regenerate" else None)
@@ -187,9 +187,10 @@ def train(h: Harness, steps: int, *, batch: int, alpha: int, train_s=lambda: 0.0
     return taken
 
 
-@pytest.mark.parametrize("alpha, extra, stale_policy", [(0, 0, "drop"), (1, 2, "drop"), (2, 4, "regenerate"),
-                                                        (3, 0, "drop")])
-def test_no_sample_trained_beyond_alpha_over_ten_thousand_samples(alpha, extra, stale_policy) -> None:
+@pytest.mark.parametrize("alpha, extra, stale_policy, admission", [
+    (0, 0, "drop", "eager"), (1, 2, "drop", "eager"), (2, 4, "regenerate", "eager"), (3, 0, "drop", "eager"),
+    (2, 0, "drop", "adaptive"), (3, 2, "regenerate", "adaptive")])
+def test_no_sample_trained_beyond_alpha_over_ten_thousand_samples(alpha, extra, stale_policy, admission) -> None:
     rng = random.Random(alpha * 100 + extra)
     lock = threading.Lock()
 
@@ -200,7 +201,8 @@ def test_no_sample_trained_beyond_alpha_over_ten_thousand_samples(alpha, extra, 
 
     batch, n = 64, 4
     steps = 10_000 // batch + 2
-    h = start(alpha=alpha, batch=batch, n=n, proxy=FakeProxy(latency), extra=extra, stale_policy=stale_policy)
+    h = start(alpha=alpha, batch=batch, n=n, proxy=FakeProxy(latency), extra=extra, stale_policy=stale_policy,
+              admission=admission)
     taken = train(h, steps, batch=batch, alpha=alpha, train_s=lambda: rng.uniform(0, 0.004), abort=alpha % 2 == 1)
     trained = sum(len(g) for gs in taken for g in gs)
     assert trained == steps * batch >= 10_000

@@ -57,7 +57,8 @@ CONTRACT = {
     "rollout.replication_chunk": 1,
     "rollout.extra_prompts": 0, "rollout.dynamic_filter": "none", "rollout.pause_mode": "retract",
     "rollout.reward": "exact_match",
-    "async_rl.alpha": 2, "async_rl.stale_policy": "drop",
+    "async_rl.alpha": 2, "async_rl.stale_policy": "drop", "async_rl.admission": "adaptive",
+    "trainer.version_check_interval": 4,
     "engines.backend": "cpu", "engines.num_engines": 1, "engines.urls": [], "engines.host": "127.0.0.1",
     "engines.base_port": 30000, "engines.tp_size": 1, "engines.gpu_ids": [],
     "engines.max_inflight_per_engine": 64, "engines.startup_timeout_s": 300.0,
@@ -279,6 +280,9 @@ def test_unresolvable_interpolation_names_key() -> None:
     (["rollout.replication_chunk=9"], "rollout.replication_chunk must be <= n_samples_per_prompt (8)"),
     (["rollout.replication_chunk=0"], "rollout.replication_chunk must be >= 1, got 0"),
     (["async_rl.alpha=-1"], "async_rl.alpha must be >= 0, got -1"),
+    (["async_rl.admission=lazy"], "async_rl.admission must be one of"),
+    (["async_rl.alpha=0", "async_rl.admission=eager"], "async_rl.admission='eager' needs async_rl.alpha >= 1"),
+    (["trainer.version_check_interval=-1"], "trainer.version_check_interval must be >= 0, got -1"),
     (["parallel.sequence_parallel=true"],
      "parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1"),
     (["parallel.virtual_pipeline_model_parallel_size=2"],
@@ -422,3 +426,10 @@ def test_eval_section_refuses_what_it_cannot_use() -> None:
     assert "eval.datasets.held needs a path or a task" in _error(QUICKSTART, ["eval.datasets={held: {num_samples: 4}}"])
     assert "evaluation runs in trainer.mode=full" in _error(
         QUICKSTART, ["eval.datasets={held: {task: sort4}}", "trainer.mode=rollout_only"])
+
+
+def test_admission_names_match_the_staleness_module() -> None:
+    from megatron_flash.buffer.staleness import ADMISSIONS as RULES
+    from megatron_flash.config.schema import ADMISSIONS
+
+    assert ADMISSIONS == RULES

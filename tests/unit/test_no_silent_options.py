@@ -70,10 +70,12 @@ ALTERNATIVES: dict[str, list[str]] = {
     "trainer.recompute_num_layers": ["trainer.recompute_num_layers=2"],
     "trainer.moe_routing_replay": ["trainer.moe_routing_replay=rollout"],
     "trainer.max_nonfinite_steps": ["trainer.max_nonfinite_steps=1"],
+    "trainer.version_check_interval": ["trainer.version_check_interval=1"],
 }
 # Consumed by the controller's loop (batching of rollout data, run mode), not by Megatron.
 CONTROLLER_FIELDS = {"trainer.global_batch_size", "trainer.num_epochs", "trainer.num_mini_batches",
-                     "trainer.mode", "trainer.replay_path", "trainer.max_nonfinite_steps"}
+                     "trainer.mode", "trainer.replay_path", "trainer.max_nonfinite_steps",
+                     "trainer.version_check_interval"}
 # Combinations that must be accepted and reach Megatron (the rejections above are single fields).
 ACCEPTED = {
     "recompute full, block, 2 layers": ["trainer.recompute=full", "trainer.recompute_method=block",

@@ -8,7 +8,14 @@ import time
 import pytest
 
 from megatron_flash.buffer.sample_buffer import BufferClosed, SampleBuffer
-from megatron_flash.buffer.staleness import StalenessManager, capacity, is_trainable
+from megatron_flash.buffer.staleness import (
+    WAIT_TOLERANCE,
+    StalenessManager,
+    capacity,
+    is_trainable,
+    lookahead_floor,
+    next_lookahead,
+)
 from megatron_flash.types import Group, Sample
 
 
@@ -160,3 +167,92 @@ def test_with_redundant_prompts_a_full_batch_goes_without_waiting_for_slower_gro
     buf2.put(group(5, 0))  # (a stray buffered group: still, group 1 is in flight and expiring)
     with pytest.raises(TimeoutError):
         buf2.take_batch(4, timeout_s=0.05, poll_s=0.01)
+
+
+# ------------------------------------------------------------------ adaptive admission (lookahead)
+@pytest.mark.parametrize("lookahead, alpha, waited, surplus, expected", [
+    # (L, α, waited share of the step, finished samples left after the take with B = 4) → next L
+    (1, 2, 0.50, 0, 2),   # the trainer waited half the step: look further ahead
+    (2, 2, 0.50, 0, 2),   # ... but never past α
+    (2, 2, 0.00, 4, 1),   # a whole batch sat finished: come back
+    (1, 2, 0.00, 8, 1),   # ... but never below 1 (generation must overlap training)
+    (2, 3, 0.00, 3, 2),   # less than a batch left: keep
+    (2, 3, 0.01, 0, 2),   # a wait within the tolerance (1 % of the step) is noise: keep
+    (1, 2, 0.50, 8, 2),   # a wait outranks a surplus (the surplus may be the next version's, unfinished)
+    (0, 0, 0.90, 0, 0),   # α = 0: synchronous, nothing to move
+])
+def test_next_lookahead_table(lookahead: int, alpha: int, waited: float, surplus: int, expected: int) -> None:
+    assert next_lookahead(lookahead, alpha=alpha, waited_s=waited * 2.0, period_s=2.0, surplus=surplus,
+                          batch_size=4) == expected
+    assert WAIT_TOLERANCE < 0.5 and lookahead_floor(0) == 0 and lookahead_floor(5) == 1
+
+
+def test_adaptive_admission_worked_example_of_the_docstring() -> None:
+    # B = 4, α = 2, every admitted sample finishes at once: the table in staleness.py, by hand.
+    m = StalenessManager(alpha=2, batch_size=4, admission="adaptive")
+    assert m.lookahead == 1 and m.capacity() == 8
+    started = 0
+    while m.try_admit(1) is not None:
+        started += 1
+    assert started == 8
+    m.on_consume(4)
+    m.note_take(waited_s=1.0, surplus=4, now=10.0)  # the first take only starts the clock
+    assert m.lookahead == 1
+    m.set_version(1)
+    assert m.capacity() == 4
+    for _ in range(4):
+        assert m.try_admit(1) == 1
+    m.on_consume(4)
+    m.note_take(waited_s=0.0, surplus=4, now=11.0)
+    assert m.lookahead == 1 and m.snapshot().lookahead == 1
+    m.set_version(2)
+    assert m.capacity() == 4  # (2 + 1 + 1)·4 − 8 − 4; eager would allow (2 + 2 + 1)·4 − 8 − 4 = 8
+
+
+def test_adaptive_admission_follows_the_bottleneck() -> None:
+    """A trainer that keeps waiting raises the lookahead to α (eager's bound); once whole batches sit
+    finished it comes back to 1. Staleness of what was started never exceeds what L allowed."""
+    b, alpha = 4, 3
+    m = StalenessManager(alpha=alpha, batch_size=b, admission="adaptive")
+    now = 0.0
+    for version in range(12):
+        m.set_version(version)
+        while m.try_admit(1) is not None:
+            pass
+        assert m.counters.outstanding <= (m.lookahead + 1) * b
+        m.on_consume(b)
+        now += 1.0
+        slow_rollout = version < 6
+        m.note_take(waited_s=0.5 if slow_rollout else 0.0, surplus=0 if slow_rollout else b, now=now)
+        if version == 5:
+            assert m.lookahead == alpha
+    assert m.lookahead == 1
+
+
+def test_eager_admission_keeps_alpha_and_bad_admission_is_named() -> None:
+    m = StalenessManager(alpha=2, batch_size=4, admission="eager")
+    m.note_take(waited_s=0.0, surplus=0, now=1.0)
+    m.note_take(waited_s=0.0, surplus=100, now=2.0)
+    assert m.lookahead == 2 and m.capacity() == 12
+    with pytest.raises(ValueError, match="admission must be one of adaptive, eager; got 'lazy'"):
+        StalenessManager(alpha=1, batch_size=2, admission="lazy")
+
+
+def test_buffer_take_reports_its_wait_and_surplus() -> None:
+    """take_batch measures its own wait and what stays buffered: a take that waited most of the step
+    raises the lookahead; one that left a whole batch finished lowers it."""
+    m = StalenessManager(alpha=2, batch_size=2, admission="adaptive")
+    buf = SampleBuffer(m)
+    m.counters.outstanding = 2
+    buf.put(group(0, 0))
+    buf.take_batch(2, timeout_s=1)  # first take: the clock starts
+    m.counters.outstanding = 2
+    threading.Timer(0.3, lambda: buf.put(group(1, 0))).start()
+    buf.take_batch(2, timeout_s=5, poll_s=0.01)  # waited ≈ 0.3 s of a ≈ 0.3 s step
+    assert m.lookahead == 2
+    m.counters.outstanding = 4
+    buf.put(group(2, 0))
+    buf.put(group(3, 0))
+    time.sleep(0.2)  # the step trains
+    buf.take_batch(2, timeout_s=1)  # no wait, group 3 (a whole batch) stays buffered
+    assert m.lookahead == 1

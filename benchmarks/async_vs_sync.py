@@ -27,7 +27,9 @@ cores it overlaps on and the speedup collapses (docs/benchmarks.md).
 The last line is a JSON object: per mode the steady-state s/step (`time_step`), samples/s, stage
 times, engine idle fraction, cores and CPU seconds per step, and per round; `speedup` =
 s/step(α=0) / s/step(α=2) of the means (paper: 2.24×), `speedup_median` of the per-round ratios,
-`ideal_speedup`.
+`ideal_speedup`. With --eager a third mode runs α with `async_rl.admission=eager` (rollout always α
+batches ahead; the default `adaptive` looks further ahead only while the trainer waits for rollout),
+its speedup under `async_eager.speedup_fields`: what adaptive admission costs or saves in speed.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 
 KEYS = ("time_step", "time_rollout_wait", "time_train", "time_sync", "engine_idle_frac", "samples_per_s",
-        "tokens_per_s", "response_len_mean", "staleness_mean")
+        "tokens_per_s", "response_len_mean", "staleness_mean", "staleness_token_mean", "rollout_lookahead")
 
 
 def main() -> int:
@@ -51,6 +53,8 @@ def main() -> int:
     p.add_argument("--skip", type=int, default=3, help="leading steps left out of the steady-state means")
     p.add_argument("--rounds", type=int, default=2, help="runs per mode, interleaved")
     p.add_argument("--alpha", type=int, default=2)
+    p.add_argument("--eager", action="store_true",
+                   help="also run α with async_rl.admission=eager (mode async_eager) beside the default admission")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step")
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
     p.add_argument("--micro-batch", type=int, default=0, help="0 = the whole batch in one micro-batch")
@@ -76,15 +80,17 @@ def main() -> int:
         *[f"engines.server_args.{k}={v}" for k, v in benchlib.engine_device_server_args(args).items()],
         *args.overrides,
     ]
-    runs: dict[str, list[dict]] = {"sync": [], "async": []}
+    order = [("sync", ["async_rl.alpha=0"]), ("async", [f"async_rl.alpha={args.alpha}"])]
+    if args.eager:
+        order.append(("async_eager", [f"async_rl.alpha={args.alpha}", "async_rl.admission=eager"]))
+    runs: dict[str, list[dict]] = {mode: [] for mode, _ in order}
     t0 = time.time()
     load_before = benchlib.uptime_load()
     for r in range(args.rounds):
-        order = [("sync", 0), ("async", args.alpha)]
-        for mode, alpha in (order if r % 2 == 0 else order[::-1]):
+        for mode, mode_overrides in (order if r % 2 == 0 else order[::-1]):
             run_dir = os.path.join(benchlib.REPO, args.out, f"{mode}_r{r}")
             rows, mon = benchlib.run_pipeline(model=model, run_dir=run_dir, name=name, monitor=True,
-                                            overrides=[*overrides, f"async_rl.alpha={alpha}"])
+                                            overrides=[*overrides, *mode_overrides])
             stats = benchlib.steady(rows, skip=args.skip, keys=KEYS)
             stats.update(mon.cores(skip=args.skip) if mon else {})
             if "cores_engines" in stats:
@@ -103,7 +109,7 @@ def main() -> int:
     result: dict = {"alpha": args.alpha, "batch": batch, "steps": args.steps, "skip": args.skip,
                     "rounds": args.rounds, "model": os.path.relpath(model, benchlib.REPO),
                     "num_layers": args.num_layers, "hidden_size": args.hidden_size, "max_len": args.max_len}
-    for mode in ("sync", "async"):
+    for mode in runs:
         result[mode] = {k: benchlib.round_mean(runs[mode], k) for k in keys}
         result[mode]["samples_per_s"] = round(batch / result[mode]["time_step"], 2)  # of the mean step time
         result[mode]["per_round"] = [{k: round(s[k], 3) for k in ("time_step", "time_rollout_wait", "time_train",
@@ -114,6 +120,8 @@ def main() -> int:
     stage_rollout, stage_train = s["time_rollout_wait"], s["time_train"] + s["time_sync"]
     result["ideal_speedup"] = round((stage_rollout + stage_train) / max(stage_rollout, stage_train), 3)
     result.update(benchlib.speedup_fields(runs["sync"], runs["async"]))
+    if args.eager:
+        result["async_eager"]["speedup_fields"] = benchlib.speedup_fields(runs["sync"], runs["async_eager"])
     result["samples_per_s_ratio"] = round(a["samples_per_s"] / s["samples_per_s"], 3)
     result["load_avg_1m_before"] = load_before
     result["seconds"] = round(time.time() - t0, 1)

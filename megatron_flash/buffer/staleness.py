@@ -47,12 +47,14 @@ allows: it then waits finished in the buffer for α steps, as stale as allowed a
 (the trainer was never waiting). Adaptive admission admits up to (V + L + 1)·B with a lookahead L in
 [min(1, α), α] (L = α is `eager`), moved by one after each batch the trainer takes:
 
-    the trainer waited for rollout longer than WAIT_TOLERANCE of the step   →  L + 1  (up to α)
+    the trainer waited for rollout longer than WAIT_TOLERANCE of the step,
+    RAISE_AFTER takes in a row                                               →  L + 1  (up to α)
     a whole batch of finished samples was still buffered after the take     →  L − 1  (down to 1)
 
 L = 1 still overlaps all generation with training (the next batch is generated while this one
 trains); larger L only buys speed when rollout is the bottleneck (a long latency tail), and then the
-trainer's wait raises it. Worked example, B = 4, α = 2, a rollout that finishes every admitted sample
+trainer waits step after step and L rises. A single short wait — rollout and training nearly
+balanced, one slow reply — is not worth α − 1 more versions of staleness on every sample after it. Worked example, B = 4, α = 2, a rollout that finishes every admitted sample
 at once:
 
     event                                 V  consumed  outstanding  L  limit (V+L+1)·B
@@ -93,6 +95,8 @@ ADMISSIONS = ("adaptive", "eager")
 WAIT_TOLERANCE = 0.05
 """A trainer wait for rollout up to this share of the step is noise (a reply in flight, the GIL), not
 a rollout bottleneck that more lookahead would hide."""
+RAISE_AFTER = 2
+"""Takes in a row that waited past WAIT_TOLERANCE before the lookahead grows (one is a blip)."""
 
 
 def lookahead_floor(alpha: int) -> int:
@@ -100,11 +104,15 @@ def lookahead_floor(alpha: int) -> int:
     return min(1, alpha)
 
 
-def next_lookahead(lookahead: int, *, alpha: int, waited_s: float, period_s: float, surplus: int,
-                   batch_size: int) -> int:
-    """The lookahead after a take that waited `waited_s` of a `period_s` step (take to take) and left
-    `surplus` finished samples buffered (see "Lookahead" above)."""
-    if period_s > 0 and waited_s > WAIT_TOLERANCE * period_s:
+def waited(waited_s: float, period_s: float) -> bool:
+    """Did the trainer wait for rollout past the tolerance in a step of `period_s` (take to take)?"""
+    return period_s > 0 and waited_s > WAIT_TOLERANCE * period_s
+
+
+def next_lookahead(lookahead: int, *, alpha: int, waits_in_a_row: int, surplus: int, batch_size: int) -> int:
+    """The lookahead after a take that ended `waits_in_a_row` takes that waited (0: this one did not)
+    and left `surplus` finished samples buffered (see "Lookahead" above)."""
+    if waits_in_a_row >= RAISE_AFTER:
         return min(lookahead + 1, alpha)
     if surplus >= batch_size:
         return max(lookahead - 1, lookahead_floor(alpha))
@@ -143,6 +151,7 @@ class StalenessManager:
         self._version = 0
         self._lookahead = alpha if admission == "eager" else lookahead_floor(alpha)
         self._last_take: float | None = None  # monotonic time the trainer's previous batch was handed out
+        self._waits = 0  # takes in a row that waited for rollout (since the lookahead last rose)
         self._in_flight: dict[int, int] = {}  # start version → samples admitted, not yet landed
         self._drop_lengths: dict[str, list[int]] = {}
 
@@ -171,9 +180,12 @@ class StalenessManager:
         compare against, only starts the clock)."""
         with self._lock:
             if self.admission == "adaptive" and self._last_take is not None:
-                self._lookahead = next_lookahead(self._lookahead, alpha=self.alpha, waited_s=waited_s,
-                                                 period_s=now - self._last_take, surplus=surplus,
-                                                 batch_size=self.batch_size)
+                self._waits = self._waits + 1 if waited(waited_s, now - self._last_take) else 0
+                before = self._lookahead
+                self._lookahead = next_lookahead(before, alpha=self.alpha, waits_in_a_row=self._waits,
+                                                 surplus=surplus, batch_size=self.batch_size)
+                if self._lookahead > before:
+                    self._waits = 0
             self._last_take = now
 
     def try_admit(self, num_samples: int) -> int | None:
@@ -243,4 +255,4 @@ class StalenessManager:
             self._in_flight = {}
             self.counters = StalenessCounters(consumed=consumed, submitted=consumed)
             self._lookahead = self.alpha if self.admission == "eager" else lookahead_floor(self.alpha)
-            self._last_take = None
+            self._last_take, self._waits = None, 0

@@ -460,8 +460,8 @@ class AsyncConfig(_Section):
     """What happens to a sample that exceeds alpha: drop | regenerate (re-queue its prompt)."""
     admission: str = "adaptive"
     """How far ahead of training rollout starts samples: adaptive (one batch ahead, more — up to
-    alpha — only while the trainer waits for rollout; fewer again once a whole batch sits finished:
-    no staleness that buys no speed) | eager (always up to alpha batches ahead). The metric
+    alpha — only while the trainer keeps waiting for rollout; fewer again once a whole batch sits
+    finished: no staleness that buys no speed) | eager (always up to alpha batches ahead). The metric
     rollout_lookahead shows the choice; buffer/staleness.py "Lookahead" has the rule."""
     batch_timeout_s: float = 600.0
     """The trainer stops with an error (after saving what it can) when no full batch arrives for

@@ -9,12 +9,14 @@ import pytest
 
 from megatron_flash.buffer.sample_buffer import BufferClosed, SampleBuffer
 from megatron_flash.buffer.staleness import (
+    RAISE_AFTER,
     WAIT_TOLERANCE,
     StalenessManager,
     capacity,
     is_trainable,
     lookahead_floor,
     next_lookahead,
+    waited,
 )
 from megatron_flash.types import Group, Sample
 
@@ -170,21 +172,24 @@ def test_with_redundant_prompts_a_full_batch_goes_without_waiting_for_slower_gro
 
 
 # ------------------------------------------------------------------ adaptive admission (lookahead)
-@pytest.mark.parametrize("lookahead, alpha, waited, surplus, expected", [
-    # (L, α, waited share of the step, finished samples left after the take with B = 4) → next L
-    (1, 2, 0.50, 0, 2),   # the trainer waited half the step: look further ahead
-    (2, 2, 0.50, 0, 2),   # ... but never past α
-    (2, 2, 0.00, 4, 1),   # a whole batch sat finished: come back
-    (1, 2, 0.00, 8, 1),   # ... but never below 1 (generation must overlap training)
-    (2, 3, 0.00, 3, 2),   # less than a batch left: keep
-    (2, 3, 0.01, 0, 2),   # a wait within the tolerance (1 % of the step) is noise: keep
-    (1, 2, 0.50, 8, 2),   # a wait outranks a surplus (the surplus may be the next version's, unfinished)
-    (0, 0, 0.90, 0, 0),   # α = 0: synchronous, nothing to move
+@pytest.mark.parametrize("lookahead, alpha, waits, surplus, expected", [
+    # (L, α, takes in a row that waited, finished samples left after the take with B = 4) → next L
+    (1, 2, 2, 0, 2),   # the trainer waited two steps running: look further ahead
+    (1, 2, 1, 0, 1),   # one wait is a blip: keep
+    (2, 2, 3, 0, 2),   # ... never past α
+    (2, 2, 0, 4, 1),   # a whole batch sat finished: come back
+    (1, 2, 0, 8, 1),   # ... never below 1 (generation must overlap training)
+    (2, 3, 0, 3, 2),   # less than a batch left: keep
+    (1, 2, 2, 8, 2),   # persistent waits outrank a surplus (it may be the next version's, half done)
+    (0, 0, 5, 0, 0),   # α = 0: synchronous, nothing to move
 ])
-def test_next_lookahead_table(lookahead: int, alpha: int, waited: float, surplus: int, expected: int) -> None:
-    assert next_lookahead(lookahead, alpha=alpha, waited_s=waited * 2.0, period_s=2.0, surplus=surplus,
-                          batch_size=4) == expected
-    assert WAIT_TOLERANCE < 0.5 and lookahead_floor(0) == 0 and lookahead_floor(5) == 1
+def test_next_lookahead_table(lookahead: int, alpha: int, waits: int, surplus: int, expected: int) -> None:
+    assert next_lookahead(lookahead, alpha=alpha, waits_in_a_row=waits, surplus=surplus, batch_size=4) == expected
+    assert RAISE_AFTER == 2 and lookahead_floor(0) == 0 and lookahead_floor(5) == 1
+
+
+def test_a_wait_counts_past_the_tolerance_of_the_step() -> None:
+    assert waited(0.5, 2.0) and not waited(0.9 * WAIT_TOLERANCE * 2.0, 2.0) and not waited(0.1, 0.0)
 
 
 def test_adaptive_admission_worked_example_of_the_docstring() -> None:
@@ -224,7 +229,9 @@ def test_adaptive_admission_follows_the_bottleneck() -> None:
         now += 1.0
         slow_rollout = version < 6
         m.note_take(waited_s=0.5 if slow_rollout else 0.0, surplus=0 if slow_rollout else b, now=now)
-        if version == 5:
+        if version == 2:  # the first take starts the clock; takes 1 and 2 waited: one step up
+            assert m.lookahead == 2
+        if version == 5:  # takes 3 and 4 waited: α
             assert m.lookahead == alpha
     assert m.lookahead == 1
 
@@ -239,20 +246,21 @@ def test_eager_admission_keeps_alpha_and_bad_admission_is_named() -> None:
 
 
 def test_buffer_take_reports_its_wait_and_surplus() -> None:
-    """take_batch measures its own wait and what stays buffered: a take that waited most of the step
-    raises the lookahead; one that left a whole batch finished lowers it."""
+    """take_batch measures its own wait and what stays buffered: takes that waited most of the step
+    raise the lookahead; one that left a whole batch finished lowers it."""
     m = StalenessManager(alpha=2, batch_size=2, admission="adaptive")
     buf = SampleBuffer(m)
     m.counters.outstanding = 2
     buf.put(group(0, 0))
     buf.take_batch(2, timeout_s=1)  # first take: the clock starts
-    m.counters.outstanding = 2
-    threading.Timer(0.3, lambda: buf.put(group(1, 0))).start()
-    buf.take_batch(2, timeout_s=5, poll_s=0.01)  # waited ≈ 0.3 s of a ≈ 0.3 s step
-    assert m.lookahead == 2
+    for gid in (1, 2):
+        m.counters.outstanding = 2
+        threading.Timer(0.3, lambda g=gid: buf.put(group(g, 0))).start()
+        buf.take_batch(2, timeout_s=5, poll_s=0.01)  # waited ≈ 0.3 s of a ≈ 0.3 s step
+        assert m.lookahead == gid  # the second wait in a row raises it
     m.counters.outstanding = 4
-    buf.put(group(2, 0))
     buf.put(group(3, 0))
+    buf.put(group(4, 0))
     time.sleep(0.2)  # the step trains
-    buf.take_batch(2, timeout_s=1)  # no wait, group 3 (a whole batch) stays buffered
+    buf.take_batch(2, timeout_s=1)  # no wait, group 4 (a whole batch) stays buffered
     assert m.lookahead == 1

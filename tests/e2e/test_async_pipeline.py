@@ -90,10 +90,12 @@ def test_async_run_end_to_end(tiny_models, tmp_path, alpha: int) -> None:
 def test_tensor_parallel_trainer_under_torchrun(tiny_models, tmp_path) -> None:
     run_dir = str(tmp_path / "tp2")
     run(small_run(tiny_models["llama"], run_dir, "parallel.tensor_model_parallel_size=2",
-                       "trainer.total_steps=2"), nproc=2, timeout=900)
+                       "trainer.total_steps=2", "trainer.version_check_interval=1"), nproc=2, timeout=900)
     rows = metrics(run_dir)
     assert [r["version"] for r in rows] == [1, 2]
     assert all(r["train_infer_logprob_diff"] <= 1e-4 for r in rows if r.get("train_infer_logprob_diff") is not None)
+    # the labelled-version check on a sharded trainer: weights swapped per rank, the forward collective
+    assert all(r["mismatch_labelled_tokens"] > 0 and r["mismatch_labelled_max"] <= 1e-5 for r in rows), rows
 
 
 def test_rollout_only_dump_replays_in_train_only(tiny_models, tmp_path) -> None:

@@ -3,6 +3,8 @@ transformers forward of the same weights (logits / T, log_softmax; T = 1 for gre
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.contract.helpers import assert_logprobs_match, generate, http, post
@@ -135,7 +137,14 @@ def test_local_engine_step_profile_counts_each_step_of_a_request(engine) -> None
         pytest.skip("the local engine's own field")
     before = http("GET", engine.url + "/get_server_info")[1]["step_profile"]
     generate(engine.url, PROMPT, sampling_params={"temperature": 1.0, "max_new_tokens": 9, "ignore_eos": True})
-    after = http("GET", engine.url + "/get_server_info")[1]["step_profile"]
+    # The reply leaves as soon as the sampler, inside the last step, finishes the request; the step is
+    # counted when it returns, a moment later: read until it is (or 5 s pass).
+    deadline = time.monotonic() + 5.0
+    while True:
+        after = http("GET", engine.url + "/get_server_info")[1]["step_profile"]
+        if after["steps"] - before["steps"] >= 9 or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     assert before["installed"] and after["steps"] - before["steps"] == 9, (before, after)
     loop, step, sampler = (after[k] - before[k] for k in ("loop_s", "step_s", "sampler_s"))
     assert loop >= step >= sampler > 0, (loop, step, sampler)

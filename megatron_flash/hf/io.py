@@ -20,17 +20,14 @@ import glob
 import json
 import os
 import shutil
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_flash.hf.spec import CheckpointError, HFModelSpec
-from megatron_flash.hf.layouts import hf_to_shard, shards_to_hf
+from megatron_flash.hf.layouts import Layout, hf_to_shard, shards_to_hf
 from megatron_flash.hf.name_maps import name_map_for
-
-if TYPE_CHECKING:
-    from megatron_flash.trainer.distributed import Layout
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
@@ -111,29 +108,29 @@ def layer_offset(chunk: Any) -> int:
     return get_transformer_layer_offset(inner.config, vp_stage=inner.vp_stage)
 
 
-def expert_offset(spec: HFModelSpec, layout: "Layout") -> int:
+def expert_offset(spec: HFModelSpec, layout: Layout) -> int:
     """Global index of this expert-parallel rank's first expert."""
     return 0 if spec.moe is None else layout.ep_rank * (spec.moe.num_experts // layout.ep_size)
 
 
-def _shard_rank(rule: Any, layout: "Layout") -> tuple[int, int]:
+def _shard_rank(rule: Any, layout: Layout) -> tuple[int, int]:
     """(rank, size) of the group a parameter is split over: expert-TP for experts, else TP."""
     return (layout.etp_rank, layout.etp_size) if rule.is_expert else (layout.tp_rank, layout.tp_size)
 
 
-def owns(rule: Any, layout: "Layout") -> bool:
+def owns(rule: Any, layout: Layout) -> bool:
     """Is this rank the one that hands out the parameter's full HF tensors (export, weight sync)?"""
     if rule.is_expert:
         return layout.etp_rank == 0 and layout.edp_rank == 0
     return layout.tp_rank == 0 and layout.dp_rank == 0
 
 
-def _resolve(name_map: Any, name: str, offset: int, spec: HFModelSpec, layout: "Layout") -> tuple[Any, tuple[str, ...]]:
+def _resolve(name_map: Any, name: str, offset: int, spec: HFModelSpec, layout: Layout) -> tuple[Any, tuple[str, ...]]:
     return name_map.resolve(name, layer_offset=offset, tied=spec.tie_word_embeddings,
                             expert_offset=expert_offset(spec, layout))
 
 
-def load_hf_weights(model: Any, model_dir: str, *, spec: HFModelSpec, layout: "Layout",
+def load_hf_weights(model: Any, model_dir: str, *, spec: HFModelSpec, layout: Layout,
                     padded_vocab_size: int) -> list[str]:
     """Copy this rank's shard of every parameter (of a model or its chunks) from the HF checkpoint.
     Returns the HF names read."""
@@ -156,7 +153,7 @@ def load_hf_weights(model: Any, model_dir: str, *, spec: HFModelSpec, layout: "L
     return used
 
 
-def _gather(tensor: torch.Tensor, rule: Any, layout: "Layout") -> list[torch.Tensor]:
+def _gather(tensor: torch.Tensor, rule: Any, layout: Layout) -> list[torch.Tensor]:
     """Every shard of a parameter, in rank order, over the group it is split over."""
     _, size = _shard_rank(rule, layout)
     if size == 1:
@@ -169,7 +166,7 @@ def _gather(tensor: torch.Tensor, rule: Any, layout: "Layout") -> list[torch.Ten
     return parts
 
 
-def stage_hf_tensors(model: Any, *, spec: HFModelSpec, layout: "Layout",
+def stage_hf_tensors(model: Any, *, spec: HFModelSpec, layout: Layout,
                      gather_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) of this PP stage's parameters (every chunk of it under
     interleaving) that this rank owns (`owns`): the stage's TP 0 / DP 0 rank the dense ones, each EP
@@ -191,7 +188,7 @@ def stage_hf_tensors(model: Any, *, spec: HFModelSpec, layout: "Layout",
 
 
 def _gather_experts(name_map: Any, name: str, offset: int, tensors: dict[str, torch.Tensor], *,
-                    spec: HFModelSpec, layout: "Layout") -> Iterator[tuple[str, torch.Tensor]]:
+                    spec: HFModelSpec, layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
     """One local expert's HF tensors from every EP rank, yielded (under each rank's global expert
     names) on the stage's dense owner."""
     from megatron.core import parallel_state as ps
@@ -211,7 +208,7 @@ def _gather_experts(name_map: Any, name: str, offset: int, tensors: dict[str, to
             yield global_name, gathered[local_name][ep]
 
 
-def export_hf(model: Any, out_dir: str, *, spec: HFModelSpec, layout: "Layout",
+def export_hf(model: Any, out_dir: str, *, spec: HFModelSpec, layout: Layout,
               source_dir: str, dtype: Optional[torch.dtype] = None) -> None:
     """Write a HF checkpoint (sharded by PP stage) readable by transformers and by `load_hf_weights`."""
     from safetensors.torch import save_file

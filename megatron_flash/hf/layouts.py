@@ -1,4 +1,6 @@
-"""Tensor-parallel shard layouts: HF tensors → one rank's Megatron shard, and all shards → HF tensors.
+"""Parallel layouts: a rank's place in the TP × PP × DP (× EP) grid (`Layout`, filled in by the trainer
+when it joins its process groups), and tensor-parallel sharding: HF tensors → one rank's Megatron
+shard, and all shards → HF tensors.
 
 Pure torch; the layouts are the ones tabled in `name_maps.py`. Reads go through a `TensorReader`
 that can return a row or column slice, so loading a shard touches only the bytes that shard needs
@@ -10,12 +12,41 @@ q heads 2–3 (q_proj rows 2d…4d), k_proj rows d…2d and v_proj rows d…2d, 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Protocol, Sequence
 
 import torch
 
 from megatron_flash.hf.spec import HFModelSpec
 from megatron_flash.hf.name_maps import Rule
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    world_size: int
+    rank: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    ep_size: int = 1
+    """Expert parallel: the experts of each MoE layer are split over this many ranks."""
+    ep_rank: int = 0
+    etp_size: int = 1
+    """Expert tensor parallel: each expert's weights are split over this many ranks."""
+    etp_rank: int = 0
+    edp_rank: int = 0
+    """Rank among the replicas of this rank's experts (expert data parallel)."""
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
 
 class TensorReader(Protocol):

@@ -8,7 +8,6 @@ in the second case.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 from typing import Optional
@@ -16,36 +15,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_flash.hf.layouts import Layout
 from megatron_flash.ports import free_ports
 from megatron_flash.trainer import cpu_shim
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    world_size: int
-    rank: int
-    tp_size: int
-    pp_size: int
-    dp_size: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
-    ep_size: int = 1
-    """Expert parallel: the experts of each MoE layer are split over this many ranks."""
-    ep_rank: int = 0
-    etp_size: int = 1
-    """Expert tensor parallel: each expert's weights are split over this many ranks."""
-    etp_rank: int = 0
-    edp_rank: int = 0
-    """Rank among the replicas of this rank's experts (expert data parallel)."""
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
 
 
 def init_distributed(*, tp_size: int, pp_size: int, seed: int, backend: str = "auto",

@@ -22,8 +22,9 @@ stopping every server this launcher started. Servers run in their own process gr
 stopped group-wide (SIGTERM, then SIGKILL after ``stop_grace_s``) by ``stop()``, at interpreter
 exit (atexit), and on SIGTERM/SIGHUP to this process (handlers installed once, from the main thread,
 chaining to the previous handler). Each server also gets SIGTERM from the kernel when this process
-dies (parent-death signal), so a ``kill -9`` of the trainer leaves no engine behind. The pid of
-engine i is in ``<run_dir>/engines/engine_<i>.pid``.
+dies (parent-death signal), so a ``kill -9`` of the trainer leaves no engine behind (that plumbing,
+and the /health probe, are in launcher_processes.py). The pid of engine i is in
+``<run_dir>/engines/engine_<i>.pid``.
 
 Restarts: ``supervise(max_restarts=k)`` starts a thread that polls the servers; one that
 exits is reported through ``on_down(url, reason)`` (the rollout side takes it out of routing at
@@ -45,7 +46,6 @@ given up on.
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -55,11 +55,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from megatron_flash.engines.launcher_processes import (die_with_parent, group_alive, log_tail, probe_health,
+                                                       signal_group, stop_at_exit)
 
 BACKENDS = ("cpu", "sglang", "attach")
 
@@ -139,29 +139,6 @@ class EngineSpec:
 
 def _client_host(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(host, host)
-
-
-def log_tail(path: str, *, num_lines: int = 40, max_bytes: int = 16384) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - max_bytes))
-            data = f.read().decode("utf-8", errors="replace")
-    except OSError as e:
-        return f"<cannot read {path}: {e}>"
-    return "\n".join(data.splitlines()[-num_lines:])
-
-
-def probe_health(url: str, *, api_key: Optional[str] = None, timeout_s: float = 2.0) -> bool:
-    """True when GET <url>/health answers 200 (synchronous: start-up runs before any event loop)."""
-    request = urllib.request.Request(url + "/health")
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
 
 
 class EngineLauncher:
@@ -266,7 +243,7 @@ class EngineLauncher:
             if self._procs:
                 raise RuntimeError("this launcher's engines are already started; stop() them first")
             self._stopping.clear()
-            _register(self)
+            stop_at_exit(self)
             os.makedirs(os.path.join(self.run_dir, "engines"), exist_ok=True)
             try:
                 for spec in specs:
@@ -291,7 +268,7 @@ class EngineLauncher:
             # servers get SIGTERM from the kernel instead of living on as orphans.
             proc = subprocess.Popen(list(spec.argv), stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env={**os.environ, **spec.env},
-                                    start_new_session=True, preexec_fn=_die_with_parent)
+                                    start_new_session=True, preexec_fn=die_with_parent)
         pid_path = os.path.join(os.path.dirname(spec.log_path), f"engine_{spec.index}.pid")
         with open(pid_path + ".tmp", "w") as f:
             f.write(f"{proc.pid}\n")
@@ -381,7 +358,7 @@ class EngineLauncher:
 
     def _restart(self, spec: EngineSpec, dead: subprocess.Popen, reason: str) -> None:
         t0 = time.monotonic()
-        _signal_group(dead.pid, signal.SIGKILL)  # whatever it forked goes with it
+        signal_group(dead.pid, signal.SIGKILL)  # whatever it forked goes with it
         _log(f"{reason}; restarting it (last lines of {spec.log_path}:\n{log_tail(spec.log_path, num_lines=5)})")
         with self._lock:
             if self._stopping.is_set():
@@ -405,7 +382,7 @@ class EngineLauncher:
         elif not self._stopping.is_set():
             _log(f"engine {spec.index} ({spec.url}) did not come back within {self.startup_timeout_s:g} s "
                  f"(startup_timeout_s); last lines of {spec.log_path}:\n{log_tail(spec.log_path)}")
-            _signal_group(proc.pid, signal.SIGKILL)  # the next poll counts it as exited again
+            signal_group(proc.pid, signal.SIGKILL)  # the next poll counts it as exited again
 
     def _wait_healthy(self, specs: Sequence[EngineSpec]) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -447,13 +424,13 @@ class EngineLauncher:
         if not procs:
             return
         for proc in procs:
-            _signal_group(proc.pid, signal.SIGTERM)
+            signal_group(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace_s
         for proc in procs:
-            while time.monotonic() < deadline and (proc.poll() is None or _group_alive(proc.pid)):
+            while time.monotonic() < deadline and (proc.poll() is None or group_alive(proc.pid)):
                 time.sleep(0.05)
         for proc in procs:
-            _signal_group(proc.pid, signal.SIGKILL)
+            signal_group(proc.pid, signal.SIGKILL)
             try:
                 proc.wait(timeout=5.0)
             except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL not delivered
@@ -462,82 +439,3 @@ class EngineLauncher:
 
 def _log(message: str) -> None:
     logging.getLogger(__name__).warning(message)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: ask Linux for SIGTERM when the spawning thread's process dies
-    (prctl PR_SET_PDEATHSIG). A no-op where prctl does not exist. Must be called from the thread
-    that lives as long as the engines (the launcher is started from the main thread)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    """Any non-zombie member left in the group (zombies of reparented children do not count)."""
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    try:
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != b"Z":
-                return True
-        return False
-    except OSError:  # no /proc (macOS): trust killpg
-        return True
-
-
-# -- process-wide cleanup: atexit and SIGTERM/SIGHUP stop every live launcher ------------------
-_LIVE: "weakref.WeakSet[EngineLauncher]" = weakref.WeakSet()
-_HANDLERS_INSTALLED = False
-_PREVIOUS: Dict[int, Any] = {}
-
-
-def stop_all() -> None:
-    for launcher in list(_LIVE):
-        launcher.stop()
-
-
-def _on_signal(signum: int, frame: Any) -> None:
-    stop_all()
-    previous = _PREVIOUS.get(signum, signal.SIG_DFL)
-    if callable(previous):
-        previous(signum, frame)
-        return
-    if previous == signal.SIG_IGN:
-        return
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-
-
-def _register(launcher: EngineLauncher) -> None:
-    global _HANDLERS_INSTALLED
-    _LIVE.add(launcher)
-    if _HANDLERS_INSTALLED:
-        return
-    _HANDLERS_INSTALLED = True
-    atexit.register(stop_all)
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGHUP):
-            _PREVIOUS[signum] = signal.getsignal(signum)
-            signal.signal(signum, _on_signal)

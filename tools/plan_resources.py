@@ -9,7 +9,7 @@ YAML keys are the flag names with '_' for '-'. `--measured` (a previous run's me
 median of time_train, time_sync, time_rollout_wait from an α = 0 run) overrides the model: train and
 sync seconds are taken as measured (scaled by --measured-train-gpus / train GPUs) and the decode model
 is scaled so that the simulated synchronous generation time equals the measured one.
-Model and simulator: megatron_flash/planner.py. Last line: a JSON object.
+Model and simulator: megatron_flash/planner/ (models, simulation, lengths). Last line: a JSON object.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 In thread mode the scheduler, the engine proxy, reply parsing, rewards and buffer admission run as an
 asyncio thread of trainer rank 0: they share its GIL and slow training down (docs/benchmarks.md). Here
 a spawned process holds all of them — its own StalenessManager, SampleBuffer and RolloutRuntime in
-thread mode — and the trainer keeps only stubs that forward the few calls it makes:
+thread mode, made there by the `build` function the spawner passes (`runtime.build_in_child`, so this
+module never imports the runtime that imports it) — and the trainer keeps only stubs that forward the
+few calls it makes:
 
     trainer rank 0                                  rollout process
     buffer.take_batch(n, timeout_s)   ── pipe ──►   SampleBuffer.take_batch → whole groups back
@@ -27,7 +29,7 @@ import os
 import pickle
 import signal
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from megatron_flash.buffer.sample_buffer import BufferClosed
 
@@ -58,14 +60,19 @@ class _Stub:
         return lambda *args, **kwargs: self._remote.call(self._target, name, *args, **kwargs)
 
 
-class RolloutProcess:
-    """Starts the process from `spec` (see `child_main`) and waits until its loop runs."""
+Build = Callable[[dict[str, Any]], dict[str, Any]]
+"""In the process: `spec` → the call targets by name ("runtime", "buffer", "staleness"), the loop started.
+It crosses to the spawned process by pickling, so it must be a module-level function."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+
+class RolloutProcess:
+    """Starts the process, which runs `build(spec)` (see `child_main`), and waits until its loop runs."""
+
+    def __init__(self, spec: dict[str, Any], build: Build) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         events_in, self._events = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=child_main, args=(child_conn, events_in, spec), name="mf-rollout")
+        self.proc = ctx.Process(target=child_main, args=(child_conn, events_in, spec, build), name="mf-rollout")
         self.proc.start()
         child_conn.close()
         events_in.close()
@@ -130,13 +137,13 @@ class RolloutProcess:
 
 
 # ---------------------------------------------------------------------------------- the process
-def child_main(conn: Any, events: Any, spec: dict[str, Any]) -> None:
+def child_main(conn: Any, events: Any, spec: dict[str, Any], build: Build) -> None:
     _die_with_parent(spec["parent_pid"])
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
     try:
-        targets = _build(spec)
+        targets = build(spec)
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises it
         conn.send(("err", _picklable(e), _picklable(e.__cause__)))
         return
@@ -157,32 +164,6 @@ def child_main(conn: Any, events: Any, spec: dict[str, Any]) -> None:
         conn.send(reply)
         if (target, method) == ("runtime", "stop"):
             return
-
-
-def _build(spec: dict[str, Any]) -> dict[str, Any]:
-    from megatron_flash.buffer.sample_buffer import SampleBuffer
-    from megatron_flash.buffer.staleness import StalenessManager
-    from megatron_flash.rollout.runtime import RolloutRuntime
-
-    staleness = StalenessManager(alpha=spec["alpha"], batch_size=spec["batch_size"], extra=spec["extra"],
-                                 admission=spec["admission"])
-    staleness.set_version(spec["version"])
-    holder: dict[str, Any] = {}
-    regenerate = spec["stale_policy"] == "regenerate"
-    buffer = SampleBuffer(staleness, stale_policy=spec["stale_policy"],
-                          on_evict=lambda g: holder["runtime"].requeue(g) if regenerate else None)
-    restore = spec["restore"]
-    if restore is not None:
-        buffer.restore(restore["buffer"])
-    staleness.counters = spec["counters"]  # the trainer's, which already count the restored groups
-    runtime = RolloutRuntime(spec["engines"], spec["rollout"], run_dir=spec["run_dir"], staleness=staleness,
-                             buffer=buffer, dataset=spec["dataset"], tokenizer=spec["tokenizer"],
-                             model_path=spec["model_path"], dump_groups=spec["dump_groups"],
-                             return_routed_experts=spec["return_routed_experts"], spawns=False)
-    holder["runtime"] = runtime
-    runtime.urls = list(spec["urls"])
-    runtime.start_rollout(restore=restore)
-    return {"runtime": runtime, "buffer": buffer, "staleness": staleness}
 
 
 def _forward_events(events: Any, runtime: Any) -> None:

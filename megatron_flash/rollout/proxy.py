@@ -6,11 +6,11 @@
     health task: every health_check_interval_s, probe unhealthy engines; re-admit on /health 200
                  (and, after a weight update they missed, only if their weight_version matches)
 
-Queue scheduling: each engine holds at most ``max_inflight_per_engine`` requests; the rest wait in
-one FIFO queue and the moment a slot frees (a request finishes, an engine is re-admitted, generation
-continues after a pause) the oldest waiter is handed that slot directly, so a later arrival never
-overtakes it. Among engines with a free slot the one with the fewest in-flight requests wins; ties
-rotate.
+Queue scheduling (rollout/slots.py): each engine holds at most ``max_inflight_per_engine`` requests;
+the rest wait in one FIFO queue and the moment a slot frees (a request finishes, an engine is
+re-admitted, generation continues after a pause) the oldest waiter is handed that slot directly, so a
+later arrival never overtakes it. Among engines with a free slot the one with the fewest in-flight
+requests wins; ties rotate.
 
 Parallel sampling: ``generate_n`` sends one request with SGLang's ``sampling_params.n`` to one engine and
 holds min(n, max_inflight_per_engine) of its slots (it queues like any request, FIFO, until one engine has
@@ -26,32 +26,24 @@ would repeat on every engine.
 Control calls (pause/continue/abort_all/flush_cache) fan out to every healthy engine
 and gather results; if any engine fails, ``EngineFanOutError`` names each failed engine.
 
-Metrics (``metrics()``, over the window since construction or ``reset_metrics()``), per engine:
-    busy_fraction      share of the window with >= 1 request of ours in flight on the engine
-    idle_fraction      1 - busy_fraction: zero requests in flight (whatever the queue held,
-                       healthy or not)
-    idle_while_queued_fraction  share of the window the engine was healthy, not paused, with zero
-                       in flight while requests waited in the queue. Queue scheduling keeps this ~0;
-                       anything larger is dispatch latency or a bug.
-plus in-flight now, the most ever in flight, completed requests, failures (requests or control
-calls that failed on it), health; and proxy-wide the queue length, completions, retries.
+Metrics (``metrics()``, over the window since construction or ``reset_metrics()``): per engine its
+busy, idle and idle-while-queued fractions, in-flight counts, completions, failures and health
+(defined in rollout/slots.py); proxy-wide the queue length, completions, retries and aborts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import itertools
 import logging
-import time
 import uuid
-from dataclasses import dataclass, field
-from typing import (Any, Awaitable, Callable, Deque, Dict, List, Mapping, Optional,
-                    Sequence, Set, TypeVar)
+from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Set, TypeVar
 
 from megatron_flash.engines.client import (EngineClient, EngineError, EngineHTTPError,
                                                   EngineTimeout, EngineUnreachable, GenerateResult)
+from megatron_flash.rollout.slots import EngineMetrics, EngineSlots, EngineState, ProxyMetrics
+
+__all__ = ["EngineFanOutError", "EngineMetrics", "LLMProxy", "N_ABORT_GRACE_S", "ProxyMetrics"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,63 +65,6 @@ class EngineFanOutError(RuntimeError):
         super().__init__("\n".join(lines))
 
 
-@dataclass
-class EngineMetrics:
-    url: str
-    healthy: bool
-    unhealthy_reason: str
-    inflight: int
-    max_inflight: int
-    completed: int
-    failures: int
-    busy_fraction: float
-    idle_fraction: float
-    idle_while_queued_fraction: float
-
-
-@dataclass
-class ProxyMetrics:
-    engines: List[EngineMetrics]
-    queue_len: int
-    completed: int
-    retried: int
-    aborted: int
-    window_s: float
-
-    def as_dict(self, prefix: str = "proxy") -> Dict[str, float]:
-        """Flat scalars for a logger: proxy/queue_len, proxy/engine0/busy_fraction, ..."""
-        out = {f"{prefix}/queue_len": self.queue_len, f"{prefix}/completed": self.completed,
-               f"{prefix}/retried": self.retried, f"{prefix}/aborted": self.aborted}
-        for i, e in enumerate(self.engines):
-            for name in ("inflight", "max_inflight", "completed", "failures", "busy_fraction",
-                         "idle_fraction", "idle_while_queued_fraction"):
-                out[f"{prefix}/engine{i}/{name}"] = float(getattr(e, name))
-            out[f"{prefix}/engine{i}/healthy"] = float(e.healthy)
-        return out
-
-
-@dataclass
-class _Engine:
-    client: EngineClient
-    healthy: bool = True
-    unhealthy_reason: str = ""
-    inflight: int = 0
-    max_inflight: int = 0
-    completed: int = 0
-    failures: int = 0
-    busy_s: float = 0.0
-    idle_s: float = 0.0
-    idle_while_queued_s: float = 0.0
-    rids: Set[str] = field(default_factory=set)
-
-
-@dataclass(eq=False)
-class _Waiter:
-    rid: str
-    future: "asyncio.Future[Optional[_Engine]]"
-    slots: int = 1
-
-
 class LLMProxy:
     """Route generate() over engines; see the module docstring for the policy.
 
@@ -147,17 +82,13 @@ class LLMProxy:
         urls = [c.url for c in clients]
         if len(set(urls)) != len(urls):
             raise ValueError(f"engine urls must be distinct, got {urls}")
-        self.max_inflight_per_engine = max_inflight_per_engine
         self.health_check_interval_s = health_check_interval_s
         self.health_check_timeout_s = health_check_timeout_s
         self.max_attempts = max_attempts or max(3, 2 * len(clients))
-        self._engines = [_Engine(c) for c in clients]
-        self._waiters: Deque[_Waiter] = collections.deque()
-        self._queued: Dict[str, _Waiter] = {}
-        self._active: Dict[str, Optional[_Engine]] = {}  # rid → engine now serving it (None: between)
+        self._slots = EngineSlots(clients, max_inflight_per_engine=max_inflight_per_engine)
+        self._engines = self._slots.engines
+        self._active: Dict[str, Optional[EngineState]] = {}  # rid → engine now serving it (None: between)
         self._aborted: Set[str] = set()
-        self._paused = False
-        self._rotation = itertools.count()
         self._fleet_weight_version: Optional[str] = None
         self._health_task: Optional[asyncio.Task] = None
         self._background: Set[asyncio.Future] = set()
@@ -181,6 +112,10 @@ class LLMProxy:
     @property
     def urls(self) -> List[str]:
         return [e.client.url for e in self._engines]
+
+    @property
+    def max_inflight_per_engine(self) -> int:
+        return self._slots.max_inflight_per_engine
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def __aenter__(self) -> "LLMProxy":
@@ -211,7 +146,7 @@ class LLMProxy:
         """One completion from whichever engine frees a slot first. See the module docstring."""
         rid = rid or uuid.uuid4().hex
 
-        def call(engine: _Engine) -> Awaitable[GenerateResult]:
+        def call(engine: EngineState) -> Awaitable[GenerateResult]:
             return engine.client.generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid,
                                           return_routed_experts=return_routed_experts)
 
@@ -230,7 +165,7 @@ class LLMProxy:
             raise ValueError(f"n must be a positive integer, got {n!r}")
         rid = rid or uuid.uuid4().hex
 
-        async def call(engine: _Engine) -> List[GenerateResult]:
+        async def call(engine: EngineState) -> List[GenerateResult]:
             request = asyncio.ensure_future(engine.client.generate_n(
                 input_ids, sampling_params, n, return_logprob=return_logprob, rid=rid,
                 return_routed_experts=return_routed_experts))
@@ -255,7 +190,7 @@ class LLMProxy:
 
         return await self._serve(rid, call, aborted, num_samples=n)
 
-    async def _serve(self, rid: str, call: Callable[[_Engine], Awaitable[T]], aborted: Callable[[str], T], *,
+    async def _serve(self, rid: str, call: Callable[[EngineState], Awaitable[T]], aborted: Callable[[str], T], *,
                      num_samples: int = 1) -> T:
         """Run ``call`` on an engine slot with the exactly-once policy of the module docstring."""
         self.start()
@@ -268,7 +203,7 @@ class LLMProxy:
             while True:
                 if rid in self._aborted:
                     return aborted("aborted; its engine failed before replying")
-                engine = await self._acquire(rid, slots)
+                engine = await self._slots.acquire(rid, slots)
                 if engine is None:
                     return aborted("aborted by the proxy before dispatch")
                 self._active[rid] = engine
@@ -280,7 +215,7 @@ class LLMProxy:
                     lost = isinstance(e, EngineUnreachable) or e.status in _UNAVAILABLE_STATUSES
                     if lost:  # before the release, or the freed slot would go to the dead engine
                         self._mark_unhealthy(engine, e)
-                    self._release(engine, failed=True, slots=slots)
+                    self._slots.release(engine, failed=True, slots=slots)
                     if not lost:
                         raise
                     if isinstance(e, EngineTimeout):  # it may still be generating: stop it
@@ -295,14 +230,14 @@ class LLMProxy:
                     continue
                 except BaseException as e:
                     engine.rids.discard(rid)
-                    self._release(engine, failed=True, slots=slots)
+                    self._slots.release(engine, failed=True, slots=slots)
                     if isinstance(e, asyncio.CancelledError) and not self._closed:
                         # Our caller gave up (e.g. a group that turned stale): the slot is free for
                         # the proxy, so the engine must stop generating too.
                         self._spawn(self._quiet_abort(engine, rid))
                     raise
                 engine.rids.discard(rid)
-                self._release(engine, failed=False, slots=slots, num_completed=num_samples)
+                self._slots.release(engine, failed=False, slots=slots, num_completed=num_samples)
                 return result
         finally:
             self._active.pop(rid, None)
@@ -318,7 +253,7 @@ class LLMProxy:
         return GenerateResult(rid=rid, output_ids=[], output_logprobs=[], finish_reason="abort",
                               finish_message=message)
 
-    async def _quiet_abort(self, engine: _Engine, rid: str) -> None:
+    async def _quiet_abort(self, engine: EngineState, rid: str) -> None:
         with contextlib.suppress(EngineError):
             await engine.client.abort(rid, timeout_s=self.health_check_timeout_s)
 
@@ -327,11 +262,7 @@ class LLMProxy:
         if rid not in self._active:
             return False
         self._aborted.add(rid)
-        waiter = self._queued.pop(rid, None)
-        if waiter is not None and not waiter.future.done():
-            self._tick()
-            self._waiters.remove(waiter)
-            waiter.future.set_result(None)
+        if self._slots.withdraw(rid):
             return True
         engine = self._active.get(rid)
         if engine is not None:
@@ -357,83 +288,14 @@ class LLMProxy:
     async def abort_all(self) -> Dict[str, Any]:
         """Abort every queued request here and every running one on the engines."""
         self._aborted.update(self._active)
-        self._tick()
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            self._queued.pop(waiter.rid, None)
-            if not waiter.future.done():
-                waiter.future.set_result(None)
+        self._slots.withdraw_all()
         return await self._fan_out("abort_all", lambda c: c.abort_all())
 
-    # -- slots ----------------------------------------------------------------------------------
-    def _pick(self, slots: int = 1) -> Optional[_Engine]:
-        free = [e for e in self._engines if e.healthy and e.inflight + slots <= self.max_inflight_per_engine]
-        if not free:
-            return None
-        least = min(e.inflight for e in free)
-        ties = [e for e in free if e.inflight == least]
-        return ties[next(self._rotation) % len(ties)]
-
-    def _take(self, engine: _Engine, slots: int = 1) -> None:
-        self._tick()
-        engine.inflight += slots
-        engine.max_inflight = max(engine.max_inflight, engine.inflight)
-
-    async def _acquire(self, rid: str, slots: int = 1) -> Optional[_Engine]:
-        """``slots`` slots on one engine, or None when the request was aborted while it waited."""
-        if not self._waiters and not self._paused:
-            engine = self._pick(slots)
-            if engine is not None:
-                self._take(engine, slots)
-                return engine
-        waiter = _Waiter(rid, asyncio.get_running_loop().create_future(), slots)
-        self._tick()
-        self._waiters.append(waiter)
-        self._queued[rid] = waiter
-        try:
-            return await waiter.future
-        except asyncio.CancelledError:
-            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.result():
-                self._release(waiter.future.result(), failed=False, count=False, slots=slots)
-            elif waiter in self._waiters:
-                self._tick()
-                self._waiters.remove(waiter)
-            raise
-        finally:
-            self._queued.pop(rid, None)
-
-    def _release(self, engine: _Engine, *, failed: bool, count: bool = True, slots: int = 1,
-                 num_completed: int = 1) -> None:
-        self._tick()
-        engine.inflight -= slots
-        assert engine.inflight >= 0, engine
-        if count:
-            if failed:
-                engine.failures += 1
-            else:
-                engine.completed += num_completed
-                self._num_completed += num_completed
-        self._dispatch()
-
-    def _dispatch(self) -> None:
-        """Hand free slots to the oldest waiters (the heart of queue scheduling)."""
-        while self._waiters and not self._paused:
-            if self._waiters[0].future.done():  # cancelled by its caller
-                self._queued.pop(self._waiters.popleft().rid, None)
-                continue
-            engine = self._pick(self._waiters[0].slots)
-            if engine is None:
-                return
-            waiter = self._waiters.popleft()
-            self._queued.pop(waiter.rid, None)
-            self._take(engine, waiter.slots)
-            waiter.future.set_result(engine)
-
     # -- health ---------------------------------------------------------------------------------
-    def _mark_unhealthy(self, engine: _Engine, error: BaseException) -> None:
+    def _mark_unhealthy(self, engine: EngineState, error: BaseException) -> None:
         if engine.healthy:
             logger.warning("engine %s marked unhealthy: %s", engine.client.url, error)
-        self._tick()
+        self._slots.tick()
         engine.healthy = False
         engine.unhealthy_reason = str(error)
 
@@ -444,7 +306,7 @@ class LLMProxy:
             if sick:
                 await asyncio.gather(*(self._probe(e) for e in sick))
 
-    async def _probe(self, engine: _Engine) -> None:
+    async def _probe(self, engine: EngineState) -> None:
         if not await engine.client.is_healthy(timeout_s=self.health_check_timeout_s):
             return
         if self._fleet_weight_version is not None:
@@ -459,10 +321,10 @@ class LLMProxy:
                                            f"fleet is at {self._fleet_weight_version!r}: sync it first")
                 return
         logger.info("engine %s re-admitted", engine.client.url)
-        self._tick()
+        self._slots.tick()
         engine.healthy = True
         engine.unhealthy_reason = ""
-        self._dispatch()
+        self._slots.dispatch()
 
     async def check_health(self) -> None:
         """Probe every engine now; healthy ones that fail are marked unhealthy, others re-admitted."""
@@ -477,7 +339,7 @@ class LLMProxy:
 
     # -- fan-out --------------------------------------------------------------------------------
     async def _fan_out(self, op: str, call: Callable[[EngineClient], Awaitable[T]],
-                       targets: Optional[Sequence[_Engine]] = None) -> Dict[str, T]:
+                       targets: Optional[Sequence[EngineState]] = None) -> Dict[str, T]:
         targets = [e for e in self._engines if e.healthy] if targets is None else list(targets)
         if not targets:
             raise EngineFanOutError(op, num_targets=0, results={}, errors={},
@@ -503,14 +365,12 @@ class LLMProxy:
     async def pause_generation(self, mode: str = "abort") -> Dict[str, Any]:
         """Stop dispatching, then pause every engine (abort: running requests return finish abort;
         retract/in_place: they resume after continue_generation)."""
-        self._paused = True
+        self._slots.paused = True
         return await self._fan_out("pause_generation", lambda c: c.pause_generation(mode))
 
     async def continue_generation(self) -> Dict[str, Any]:
         results = await self._fan_out("continue_generation", lambda c: c.continue_generation())
-        self._tick()
-        self._paused = False
-        self._dispatch()
+        self._slots.resume()
         return results
 
     async def flush_cache(self) -> Dict[str, Any]:
@@ -542,39 +402,12 @@ class LLMProxy:
             self._fleet_weight_version = weight_version
 
     # -- metrics --------------------------------------------------------------------------------
-    def _tick(self) -> None:
-        """Account the time since the last state change to each engine's busy/idle counters.
-        Called before every change of in-flight counts, queue length, health or pause."""
-        now = time.monotonic()
-        dt = now - self._last_tick
-        self._last_tick = now
-        queued = bool(self._waiters)
-        for e in self._engines:
-            if e.inflight > 0:
-                e.busy_s += dt
-            else:
-                e.idle_s += dt
-                if queued and e.healthy and not self._paused:
-                    e.idle_while_queued_s += dt
-
     def reset_metrics(self) -> None:
         """Start a new metrics window (counts and time fractions; in-flight state is kept)."""
-        self._window_start = self._last_tick = time.monotonic()
-        self._num_completed = self._retried = self._num_aborted = 0
-        for e in getattr(self, "_engines", []):
-            e.completed = e.failures = 0
-            e.busy_s = e.idle_s = e.idle_while_queued_s = 0.0
-            e.max_inflight = e.inflight
+        self._slots.reset_metrics()
+        self._retried = self._num_aborted = 0
 
     def metrics(self) -> ProxyMetrics:
-        self._tick()
-        window = max(self._last_tick - self._window_start, 1e-9)
-        return ProxyMetrics(
-            engines=[EngineMetrics(url=e.client.url, healthy=e.healthy, unhealthy_reason=e.unhealthy_reason,
-                                   inflight=e.inflight, max_inflight=e.max_inflight, completed=e.completed,
-                                   failures=e.failures, busy_fraction=e.busy_s / window,
-                                   idle_fraction=e.idle_s / window,
-                                   idle_while_queued_fraction=e.idle_while_queued_s / window)
-                     for e in self._engines],
-            queue_len=len(self._waiters), completed=self._num_completed, retried=self._retried,
-            aborted=self._num_aborted, window_s=window)
+        engines, window = self._slots.engine_metrics()
+        return ProxyMetrics(engines=engines, queue_len=len(self._slots.waiters), completed=self._slots.num_completed,
+                            retried=self._retried, aborted=self._num_aborted, window_s=window)

@@ -216,14 +216,15 @@ class RolloutRuntime:
 
         if self.group_runner_factory is not None:
             raise ValueError("rollout.runner=process runs single-turn rollout only (agentic episodes need thread)")
-        self._remote = RolloutProcess({
+        spec = {
             "engines": self.engines_cfg, "rollout": self.rollout_cfg, "run_dir": self.run_dir, "dataset": self.dataset,
             "tokenizer": self.tokenizer, "model_path": self.model_path, "urls": self.urls,
             "dump_groups": self.dump_groups, "return_routed_experts": self.return_routed_experts,
             "alpha": self.staleness.alpha, "batch_size": self.staleness.batch_size, "extra": self.staleness.extra,
             "admission": self.staleness.admission,
             "version": self.staleness.version, "counters": self.staleness.snapshot(),
-            "stale_policy": self.buffer.stale_policy, "restore": restore, "parent_pid": os.getpid()})
+            "stale_policy": self.buffer.stale_policy, "restore": restore, "parent_pid": os.getpid()}
+        self._remote = RolloutProcess(spec, build_in_child)
         self.buffer, self.staleness = self._remote.buffer, self._remote.staleness
 
     def _thread_main(self) -> None:
@@ -355,3 +356,27 @@ class RolloutRuntime:
         except Exception as e:  # metrics must never stop training
             logger.warning("rollout metrics unavailable: %s", e)
             return RolloutStats(), {}
+
+
+def build_in_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """Inside the rollout process (rollout/process.py): from the `spec` that `_start_process` wrote, its
+    own StalenessManager, SampleBuffer and a thread-mode RolloutRuntime, the rollout started."""
+    staleness = StalenessManager(alpha=spec["alpha"], batch_size=spec["batch_size"], extra=spec["extra"],
+                                 admission=spec["admission"])
+    staleness.set_version(spec["version"])
+    holder: dict[str, Any] = {}
+    regenerate = spec["stale_policy"] == "regenerate"
+    buffer = SampleBuffer(staleness, stale_policy=spec["stale_policy"],
+                          on_evict=lambda g: holder["runtime"].requeue(g) if regenerate else None)
+    restore = spec["restore"]
+    if restore is not None:
+        buffer.restore(restore["buffer"])
+    staleness.counters = spec["counters"]  # the trainer's, which already count the restored groups
+    runtime = RolloutRuntime(spec["engines"], spec["rollout"], run_dir=spec["run_dir"], staleness=staleness,
+                             buffer=buffer, dataset=spec["dataset"], tokenizer=spec["tokenizer"],
+                             model_path=spec["model_path"], dump_groups=spec["dump_groups"],
+                             return_routed_experts=spec["return_routed_experts"], spawns=False)
+    holder["runtime"] = runtime
+    runtime.urls = list(spec["urls"])
+    runtime.start_rollout(restore=restore)
+    return {"runtime": runtime, "buffer": buffer, "staleness": staleness}

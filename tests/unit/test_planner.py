@@ -1,4 +1,4 @@
-"""Capacity planner (megatron_flash/planner.py): invariants with expectations computed by hand."""
+"""Capacity planner (megatron_flash/planner/): invariants with expectations computed by hand."""
 
 import copy
 import importlib.util
@@ -249,12 +249,12 @@ def test_validation_with_same_hour_inputs_predicts_async_vs_sync_unfitted():
     land within 5 %, and the request cost solved from the run's own α = 0 stage agrees with the closed
     loop's 1.22 ms to within 25 % (both figures independent of the planner: /proc and wall clocks)."""
     vp = _validate_planner()
-    alone = vp.CostSet("alone", step_large=vp.STEP_S7_L4_H160, request_s=vp.ENGINE_PER_REQUEST_S7,
-                       client_s=vp.CLIENT_CPU_PER_REQUEST_S7)
-    rows = {r["what"]: r for r in vp.async_vs_sync("avs2_s7", [alone], {}, seeds=1, steps=12)}
+    alone = vp.CostSet("alone", step_large=vp.STEP_2026_11_24_L4_H160, request_s=vp.ENGINE_PER_REQUEST_2026_11_24,
+                       client_s=vp.CLIENT_CPU_PER_REQUEST_2026_11_24)
+    rows = {r["what"]: r for r in vp.async_vs_sync("avs2_2026_11_24", [alone], {}, seeds=1, steps=12)}
     for what in ("sync (α=0) s/step", "async (α=2) s/step, α=2 run's train/sync times", "speedup"):
         assert abs(rows[what]["error"]["alone"]) <= 0.05, rows[what]
-    p = vp.fit_request_cost(vp.MEASURED["avs2_s7"], alone, seeds=1, steps=12)
+    p = vp.fit_request_cost(vp.MEASURED["avs2_2026_11_24"], alone, seeds=1, steps=12)
     assert abs(p - 0.00122) <= 0.25 * 0.00122, p
 
 

@@ -26,8 +26,14 @@
 So: nothing imports launch/, tools/ or benchmarks/; only trainer/ and hf/ touch Megatron; rollout/
 never imports weight_sync/, trainer/ or agentic/ (group runners plug in through
 rollout/group_runner.py); trainer/ and weight_sync/ never import each other (both use hf/); engines/
-imports nothing from rollout/. Imports under `if TYPE_CHECKING:` are type hints, not dependencies,
-and are not counted. The same table is in README.md ("Architecture").
+imports nothing from rollout/. The same table is in README.md ("Architecture").
+
+The table is a strict order (LAYERS, lowest first): a package imports only packages of lower layers,
+so no circle can pass between packages. Inside megatron_flash/ no module imports one that imports it
+back, directly or through others, even lazily inside a function; imports under `if TYPE_CHECKING:`
+are type hints, not dependencies, and are left out of that check, but they too may not point up the
+table. Every module stays at or under MAX_LINES lines (the config schema, one dataclass per section,
+aside).
 """
 
 from __future__ import annotations
@@ -49,8 +55,17 @@ ALLOWED: dict[str, set[str]] = {
     "weight_sync": {"engines", "hf", "ports", "types"},
 }
 ALLOWED["controller"] = set(ALLOWED)
+LAYERS: list[tuple[str, ...]] = [  # lowest first
+    ("config", "types", "ports", "named", "counters", "planner", "hf"),
+    ("recipes", "tracking", "losses", "rewards", "buffer", "engines"),
+    ("rollout", "trainer", "weight_sync"),
+    ("agentic",),
+    ("controller",),
+]
 MEGATRON_USERS = {"trainer", "hf"}
 NEVER = {"launch", "tools", "benchmarks"}
+MAX_LINES = 500
+LONG_ALLOWED = {"config/schema.py"}
 
 
 def unit_of(path: Path) -> str:
@@ -58,28 +73,45 @@ def unit_of(path: Path) -> str:
     return rel[0] if len(rel) > 1 else rel[0].removesuffix(".py")
 
 
-def runtime_imports(path: Path) -> list[tuple[int, str]]:
-    """(line, dotted module) of every absolute import outside `if TYPE_CHECKING:` blocks."""
+def module_of(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, *, hints: bool) -> list[tuple[int, str, list[str]]]:
+    """(line, dotted base module, imported names) of every import, relative ones made absolute;
+    only those under `if TYPE_CHECKING:` when `hints`, else only those outside it."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    hints = set()
+    in_hint = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            hints.update(id(n) for n in ast.walk(node))
+            in_hint.update(id(n) for n in ast.walk(node))
+    me = module_of(path) if path.is_relative_to(PACKAGE) else "megatron_flash.probe"
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
-        if id(node) in hints:
+        if (id(node) in in_hint) != hints:
             continue
         if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.append((node.lineno, node.module))
+            out += [(node.lineno, a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(up + ([node.module] if node.module else []))
+            out.append((node.lineno, base, [a.name for a in node.names]))
     return out
 
 
-def violations(path: Path, unit: str = "") -> list[str]:
+def runtime_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted module) of every import outside `if TYPE_CHECKING:` blocks."""
+    return [(line, module) for line, module, _ in _imports(path, hints=False)]
+
+
+def violations(path: Path, unit: str = "", *, hints: bool = False) -> list[str]:
     unit = unit or unit_of(path)
     bad = []
-    for line, module in runtime_imports(path):
+    for line, module, _ in _imports(path, hints=hints):
         parts = module.split(".")
         where = f"{path}:{line} imports {module}"
         if parts[0] in NEVER:
@@ -102,7 +134,77 @@ def test_every_unit_is_in_the_table() -> None:
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_imports_follow_the_layering(path: Path) -> None:
-    assert not violations(path), "\n".join(violations(path))
+    bad = violations(path) + violations(path, hints=True)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_table_is_a_strict_order() -> None:
+    """Each package may import only packages of lower layers: the table itself has no circle."""
+    layer = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+    assert sorted(layer) == sorted(ALLOWED), "LAYERS and ALLOWED must name the same packages"
+    up = [f"{u} → {d}" for u, deps in ALLOWED.items() for d in deps if layer[d] >= layer[u]]
+    assert not up, f"allowed imports that do not point down the layers: {up}"
+
+
+def import_graph(sources: list[Path]) -> dict[str, set[str]]:
+    """megatron_flash module → the megatron_flash modules it imports at run time (lazy ones too)."""
+    modules = {module_of(p) for p in sources}
+
+    def resolve(name: str) -> str:
+        parts = name.split(".")
+        return next((c for c in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if c in modules), "")
+
+    graph: dict[str, set[str]] = {}
+    for path in sources:
+        targets = set()
+        for _, base, names in _imports(path, hints=False):
+            if base.split(".")[0] != "megatron_flash":
+                continue
+            targets |= {f"{base}.{n}" if f"{base}.{n}" in modules else resolve(base) for n in names or [""]}
+        graph[module_of(path)] = targets - {"", module_of(path)}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle as [a, b, ..., a], or [] when there is none (depth-first, three colours)."""
+    state: dict[str, int] = {}
+    for root in sorted(graph):
+        if state.get(root):
+            continue
+        path, stack = [root], [iter(sorted(graph[root]))]
+        state[root] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif not state.get(nxt) and nxt in graph:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(graph[nxt])))
+    return []
+
+
+def test_no_import_circle() -> None:
+    cycle = find_cycle(import_graph(SOURCES))
+    assert not cycle, "import circle: " + " → ".join(cycle)
+
+
+def test_the_cycle_check_finds_a_circle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+    graph = import_graph(SOURCES)  # a submodule imported by name, and a lazy import inside a function
+    assert "megatron_flash.controller.assembly" in graph["megatron_flash.controller.loop"]
+    assert "megatron_flash.trainer.version_check" in graph["megatron_flash.controller.loop"]
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_module_size(path: Path) -> None:
+    lines = len(path.read_text().splitlines())
+    if str(path.relative_to(PACKAGE)) not in LONG_ALLOWED:
+        assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE)}: {lines} lines; split it by concern"
 
 
 def test_the_check_catches_a_crossing(tmp_path: Path) -> None:

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# The GPU checks a session runs when it is lent a GPU machine (the `device` tool), prepared so that one
-# short call does them. That machine has torch with CUDA but none of our other dependencies and no
-# network: they travel as py3.12 wheels in .whl/ (ignored by git, named in the call's `carry`).
+# The checks to run on a GPU machine, prepared so that one short run does them. The machine they were
+# written for has torch with CUDA but none of our other dependencies and no network: they come as py3.12
+# wheels in .whl/ (ignored by git; copy it to the machine with the working tree).
 #
-#   bash tools/gpu_session.sh download            # here, once: the wheels into .whl/ (about 30 MB)
-#   device run, carry [".whl", "runs/bench_models"], timeout_s ≈ GPU_DEADLINE + 40:
+#   bash tools/gpu_session.sh download            # on a machine with network, once: the wheels into .whl/ (about 30 MB)
+#   on the GPU machine, with .whl/ and runs/bench_models copied there, under a time limit ≈ GPU_DEADLINE + 40 s:
 #     GPU_DEADLINE=440 bash tools/gpu_session.sh run weights steps rollout async -- weights_test quickstart contract
 # The stages before `--` run one after another (the timing ones); those after it run beside them (the
 # correctness ones: they share the GPU and the cores with the timings, which the numbers must say).
 # Every stage is cut to end by GPU_DEADLINE seconds; its output is in $OUT/logs.tgz (<stage>.log).
 #
-# Seconds each took on an H200 (2026-11-26; the install and start-up take ≈ 20 s, a machine start ≈ 30 s):
+# Seconds each took on an H200 (2026-11-26; the install and start-up take ≈ 20 s):
 #
 #   weights       (65)  tools/weight_sync/bench.py --device cuda at 1 GB: flat persistent buffers (staged) vs
 #                       one handle per tensor (fresh), ratio to a D2D copy; the bridge into a GPU engine
@@ -27,7 +27,7 @@
 #   quickstart    (85)  the README quickstart with trainer and engine on the one GPU (tests/gpu)
 #   contract      (230) the contract tier (tests/contract) against the local engine on CUDA
 #   contract_broadcast (110) its broadcast weight-sync case alone
-#   tier          the whole tests/gpu tier (longer than one call: about 10 min on an H100)
+#   tier          the whole tests/gpu tier (about 10 min on an H100: best run on its own)
 # docs/benchmarks.md says where each number goes.
 set -u
 cd "$(dirname "$0")/.."
@@ -84,7 +84,7 @@ track() {  # the named stages, one after another
                     --model-path /tmp/m05b --k 1,8,64,256 --short 8 --long 40 --repeats 2
                 stage engine_steps_tiny 120 python3 benchmarks/engine_step_cost.py --device cuda --dtype bfloat16 \
                     --k 1,4,8,16,32,64 --short 8 --long 40 --repeats 3 ;;
-            rollout)  # the long-tail model travels in runs/bench_models (carry it) or is built here
+            rollout)  # the long-tail model comes from runs/bench_models (copy it over) or is built here
                 stage queue_scheduling 200 python3 benchmarks/queue_scheduling.py --engine-device cuda --rounds 1
                 stage prompt_replication 160 python3 benchmarks/prompt_replication.py --engine-device cuda \
                     --rounds 1 --chunk 4 ;;

@@ -4,17 +4,18 @@
     python tools/validate_planner.py --runs runs          # measured outputs from runs/bench_*/*/metrics.jsonl
     python tools/validate_planner.py --paper-shape        # + speedup vs GPU count and vs length spread (7B, H100)
 
-For each benchmark the planner (megatron_flash/planner.py) gets the benchmark's own settings (batch,
+For each benchmark the planner (megatron_flash/planner/) gets the benchmark's own settings (batch,
 group size, engines, running requests per engine, α, redundancy, replication on/off/chunk, dynamic-filter
 keep rate, env latency and turns) and measured costs, and predicts seconds per step (env async: the
 makespan); the benchmarks' outputs are never fitted. Three cost sets:
 
   alone        nothing fitted: the CPU engine's decode step vs running sequences measured alone
-               (benchmarks/engine_step_cost.py, session 4, quiet box), its cost per request measured in
+               (benchmarks/engine_step_cost.py, 2026-11-22, quiet box), its cost per request measured in
                a closed loop (requests arriving one at a time, as a rollout sends them; 1.5 ms), and the
                rollout client's CPU per request (1.2 ms, /proc, async_vs_sync) as a serial client cost.
-  session 2    the same, but the decode-step curve recorded in session 2 (3.2 ms @1, 4.0 @4, 7.2 @16,
-               18 @64; taken while other jobs loaded the box, model not recorded).
+  loaded 2026-11-22
+               the same, but the decode-step curve recorded on 2026-11-22 at 08:40 (3.2 ms @1, 4.0 @4,
+               7.2 @16, 18 @64; taken while other jobs loaded the box, model not recorded).
   stage time   `alone` plus ONE number per machine taken from a measured stage time: the engine seconds
                each request costs in the product's request path, solved so that the simulated rollout
                stage of async_vs_sync's synchronous (α = 0) run equals the measured one (0.846 s on the
@@ -23,7 +24,7 @@ makespan); the benchmarks' outputs are never fitted. Three cost sets:
 Same-hour rows (2026-11-24): async_vs_sync, queue_scheduling, prompt_replication and env_async re-run on the 2-core box
 within minutes of fresh decode-step curves and closed-loop request costs (engine_step_cost.py) for both
 models; `alone` there uses those and the run's own rollout-thread CPU per request, nothing fitted. They are
-summarised apart: older rows compare runs with engine curves taken hours or sessions away, and the CPU
+summarised apart: older rows compare runs with engine curves taken hours or days away, and the CPU
 engine's curve drifts with box, hour and load.
 
 Measured numbers: constants below, each with where it comes from (docs/benchmarks.md); with `--runs DIR`
@@ -46,38 +47,41 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_flash import planner  # noqa: E402
 
 # ---- measured inputs ----------------------------------------------------------------------------------
-# CPU engine server, 1 thread, quiet 2-core box (session 4): seconds of one decode step vs sequences running,
+# CPU engine server, 1 thread, quiet 2-core box (2026-11-22): seconds of one decode step vs sequences running,
 # all k requests sent together. `OMP_NUM_THREADS=1 python benchmarks/engine_step_cost.py` (2 layers × 64: the
 # model of queue_scheduling / prompt_replication / env_async) and `... --num-layers 4 --hidden-size 160`
 # (async_vs_sync's model).
 STEP_L2_H64 = [(1, 0.000944), (2, 0.00109), (4, 0.001131), (8, 0.001552), (16, 0.001963), (32, 0.003629),
                (64, 0.007761)]
 STEP_L4_H160 = [(1, 0.001416), (4, 0.001987), (8, 0.002813), (16, 0.004081), (32, 0.008593)]
-# The same on the 16-core GPU box (GPU hidden, uncontended; session 4, docs/benchmarks.md "GPU box"), 2 × 64 model.
+# The same on the 16-core GPU box (GPU hidden, uncontended; 2026-11-22, docs/benchmarks.md "GPU box"), 2 × 64 model.
 STEP16_L2_H64 = [(1, 0.0022), (4, 0.0029), (8, 0.0039), (16, 0.0050), (64, 0.0093)]
-# The same 2 × 64 curve re-measured on the 2-core box in session 5 (load ~1), next to the replication run
-# "rep8_s5" below: `OMP_NUM_THREADS=1 python benchmarks/engine_step_cost.py --k 1,2,4,8,16,32,64`.
-STEP_S5_L2_H64 = [(1, 0.00138), (2, 0.00156), (4, 0.00182), (8, 0.00239), (16, 0.00241), (32, 0.00398),
-                  (64, 0.00798)]
-# The 4 × 160 curve re-measured on the 2-core box on 2026-11-24 14:21 (load 0.5), minutes after the "avs2_s7"
-# run below and after the CPU server's cheaper request path (f55fc73): `OMP_NUM_THREADS=1 python
+# The same 2 × 64 curve re-measured on the 2-core box on 2026-11-24 (load ~1, before f55fc73), next to the
+# replication run "rep8_2026_11_24_early" below: `OMP_NUM_THREADS=1 python benchmarks/engine_step_cost.py
+# --k 1,2,4,8,16,32,64`.
+STEP_2026_11_24_EARLY_L2_H64 = [(1, 0.00138), (2, 0.00156), (4, 0.00182), (8, 0.00239), (16, 0.00241),
+                                (32, 0.00398), (64, 0.00798)]
+# The 4 × 160 curve re-measured on the 2-core box on 2026-11-24 14:21 (load 0.5), minutes after the
+# "avs2_2026_11_24" run below and after the CPU server's cheaper request path (f55fc73): `OMP_NUM_THREADS=1 python
 # benchmarks/engine_step_cost.py --num-layers 4 --hidden-size 160 --k 1,4,8,16,32 --loop-k 8,21 --short 4
 # --long 24`; closed loop at 21 running (the run's cap): 1.22 ms engine seconds per request.
-STEP_S7_L4_H160 = [(1, 0.001917), (4, 0.002328), (8, 0.002784), (16, 0.00352), (32, 0.004992)]
-ENGINE_PER_REQUEST_S7 = 0.00122
+STEP_2026_11_24_L4_H160 = [(1, 0.001917), (4, 0.002328), (8, 0.002784), (16, 0.00352), (32, 0.004992)]
+ENGINE_PER_REQUEST_2026_11_24 = 0.00122
 # That run's rollout thread: 0.085 CPU-s per 128-sample step at α = 0 (/proc) = 0.66 ms per request.
-# The 2 × 64 curve on the same day, 14:23 (load 0.5), just before the "rep8_s7" and "queue_s7" runs:
+# The 2 × 64 curve on the same day, 14:23 (load 0.5), just before the "rep8_2026_11_24" and "queue_2026_11_24"
+# runs:
 # `OMP_NUM_THREADS=1 python benchmarks/engine_step_cost.py --k 1,2,4,8,16,32,64 --loop-k 4,8 --loop-n 1,8
 # --short 4 --long 24`. Re-measured at 14:26, after them: within 5 % except k = 8 (2.57 ms, one outlier).
 # Closed loop (n = 1), before / after: 4 running 1.16 / 1.08 ms per request, 8 running 0.92 / 0.82 ms.
-STEP_S7_L2_H64 = [(1, 0.00117), (2, 0.0013), (4, 0.00146), (8, 0.00164), (16, 0.00205), (32, 0.00312),
-                  (64, 0.00509)]
-ENGINE_PER_REQUEST_S7_CAP4, ENGINE_PER_REQUEST_S7_CAP8 = 0.00112, 0.00087
-# Again at 14:38, seconds after the "env*_s7" runs: `... --k 1,2,4,8,16,32,64 --loop-k 16,64 --short 4 --long 24`;
+STEP_2026_11_24_L2_H64 = [(1, 0.00117), (2, 0.0013), (4, 0.00146), (8, 0.00164), (16, 0.00205), (32, 0.00312),
+                          (64, 0.00509)]
+ENGINE_PER_REQUEST_2026_11_24_CAP4, ENGINE_PER_REQUEST_2026_11_24_CAP8 = 0.00112, 0.00087
+# Again at 14:38, seconds after the "env*_2026_11_24" runs: `... --k 1,2,4,8,16,32,64 --loop-k 16,64 --short 4
+# --long 24`;
 # closed loop at 64 running (env_async's 64 instances on one engine): 1.10 ms per request.
-STEP_S7C_L2_H64 = [(1, 0.00128), (2, 0.00137), (4, 0.00144), (8, 0.00179), (16, 0.00214), (32, 0.00329),
-                   (64, 0.00561)]
-ENGINE_PER_REQUEST_S7_CAP64 = 0.00110
+STEP_2026_11_24_ENV_L2_H64 = [(1, 0.00128), (2, 0.00137), (4, 0.00144), (8, 0.00179), (16, 0.00214),
+                              (32, 0.00329), (64, 0.00561)]
+ENGINE_PER_REQUEST_2026_11_24_CAP64 = 0.00110
 # Prefill: the same closed loop with 100-token vs 2-token prompts, 14:52, 2 × 64 model, server as env_async's
 # (512 tokens per forward step): `OMP_NUM_THREADS=1 python benchmarks/engine_step_cost.py --skip-batch
 # --loop-k 16,64 --loop-prompt-len 2,100 --max-batch-tokens 512 --short 4 --long 24`. At 16 running: 2.19 vs
@@ -89,13 +93,13 @@ PREFILL_TOKEN_ENGINE_S = 16.7e-6
 # env_async's conversation (the tiny tokenizer's chat template, ChatTokens): 18 prompt tokens; each env turn
 # appends the end token and an 18-token observation turn.
 ENV_PROMPT_TOKENS, ENV_TURN_TOKENS = 18, 19
-CLIENT_CPU_PER_REQUEST_S7 = 0.00066
-# The decode-step figures recorded in session 2 (benchmarks/queue_scheduling.py docstring, docs/benchmarks.md
+CLIENT_CPU_PER_REQUEST_2026_11_24 = 0.00066
+# The decode-step figures recorded on the loaded box (benchmarks/queue_scheduling.py docstring, docs/benchmarks.md
 # "What limits each speedup"): measured at 08:40 on 2026-11-22 while other jobs kept the load at 4-9.
-STEP_SESSION2 = [(1, 0.0032), (4, 0.0040), (16, 0.0072), (64, 0.018)]
+STEP_LOADED_2026_11_22 = [(1, 0.0032), (4, 0.0040), (16, 0.0072), (64, 0.018)]
 # Engine seconds per request when requests arrive one at a time (closed loop of k workers, each sending its
 # next request when its last returns): `benchmarks/engine_step_cost.py --loop-k 4,8,16,21,32 --short 4
-# --long 24` (session 5, load 1.6-2.0 from other work, engine busy 0.93-0.97): 2 × 64 model 1.5-2.1 ms
+# --long 24` (2026-11-22, load 1.6-2.0 from other work, engine busy 0.93-0.97): 2 × 64 model 1.5-2.1 ms
 # (k = 4..32), 4 × 160 model 0.9-1.4 ms. One value for both.
 ENGINE_PER_REQUEST_S = 0.0015
 # Rollout client (the trainer process's asyncio loop: scheduler, proxy, HTTP, logprobs, rewards): 0.15 CPU-s
@@ -103,7 +107,7 @@ ENGINE_PER_REQUEST_S = 0.0015
 # each speedup here"). Modelled as a serial server in front of the engines.
 CLIENT_CPU_PER_REQUEST_S = 0.0012
 
-# The local engine on CUDA (H200, bf16, transformers CB; 2026-11-26 18:53, docs/benchmarks.md "GPU box, session
+# The local engine on CUDA (H200, bf16, transformers CB; 2026-11-26 18:53, docs/benchmarks.md "H200,
 # 2026-11-26"): `benchmarks/engine_step_cost.py --device cuda --dtype bfloat16 --k 1,4,8,16,32,64 --short 8
 # --long 40 --repeats 3`, the 2 × 64 model, while the quickstart test used the same GPU. k = 32 and 64 came out
 # as noise (46.8 ms and negative) and are left out: beyond 16 the curve is extrapolated. Per request at 4
@@ -112,7 +116,7 @@ STEP_H200_L2_H64 = [(1, 0.00307), (4, 0.00345), (8, 0.00339), (16, 0.00525)]
 ENGINE_PER_REQUEST_H200 = 0.00094
 
 # Response lengths (tokens incl. the end token) the long-tail model generated: 1280 responses of
-# runs/bench_queue_s3/queue_r0/groups.jsonl (session 3); 40 = max_new_tokens (cut). Mean 11.1; the target
+# runs/bench_queue_s3/queue_r0/groups.jsonl (2026-11-22); 40 = max_new_tokens (cut). Mean 11.1; the target
 # P(k) ∝ 1/k, k ≤ 32 (planner.inv_k_lengths(32)) has mean 7.9: the model learned it loosely.
 LENGTH_HIST = {1: 13, 2: 260, 3: 145, 4: 70, 5: 68, 6: 68, 7: 45, 8: 41, 9: 43, 10: 35, 11: 30, 12: 35, 13: 35,
                14: 27, 15: 17, 16: 27, 17: 21, 18: 35, 19: 18, 20: 25, 21: 18, 22: 18, 23: 15, 24: 12, 25: 11,
@@ -128,7 +132,7 @@ KEEP_PROB = statistics.fmean(1 - p ** 8 - (1 - p) ** 8 for p in PASS_RATES)
 # Each: steady-state means; `rounds` = per-round values (the spread between rounds is the measurement noise);
 # `cmd` and `tag` = the command that measured it and what its printed benchmark name adds.
 MEASURED: dict[str, dict] = {
-    # 2-core box, quiet (session 2, 08:42; runs/bench_async_vs_sync, steps 3-15 of 3 rounds per mode):
+    # 2-core box, quiet (2026-11-22 08:42; runs/bench_async_vs_sync, steps 3-15 of 3 rounds per mode):
     # sync = rollout 0.846 + train 0.803 + sync 0.102; async train 0.888 (the rollout thread shares its core).
     "avs2": {"cmd": "python benchmarks/async_vs_sync.py --rounds 3", "tag": ", 2-core box",
              "sync": 1.751, "sync_rounds": [1.766, 1.719, 1.768], "async": 0.991, "async_rounds": [0.954, 1.084, 0.934],
@@ -136,59 +140,62 @@ MEASURED: dict[str, dict] = {
              "response_len_mean": 10.15, "runs": "bench_async_vs_sync", "skip": 3},
     # 2-core box, 2026-11-24 14:18, quiet (load 0.03), after f55fc73: `OMP_NUM_THREADS=1 python
     # benchmarks/async_vs_sync.py --rounds 3` (docs/benchmarks.md, issue-6 table, the re-run row).
-    "avs2_s7": {"cmd": "OMP_NUM_THREADS=1 python benchmarks/async_vs_sync.py --rounds 3 (2026-11-24)",
-                "tag": ", 2-core box, 2026-11-24 curve",
-                "sync": 1.120, "sync_rounds": [1.131, 1.117, 1.111], "async": 0.7345,
-                "async_rounds": [0.729, 0.732, 0.743], "rollout": 0.4385, "train": 0.613, "sync_s": 0.0684,
-                "train_async": 0.6656, "sync_s_async": 0.0687, "response_len_mean": 10.18},
-    # 16-core GPU box, GPU hidden, uncontended (session 3, docs "GPU box"): 2 rounds per mode.
+    "avs2_2026_11_24": {"cmd": "OMP_NUM_THREADS=1 python benchmarks/async_vs_sync.py --rounds 3 (2026-11-24)",
+                        "tag": ", 2-core box, 2026-11-24 curve",
+                        "sync": 1.120, "sync_rounds": [1.131, 1.117, 1.111], "async": 0.7345,
+                        "async_rounds": [0.729, 0.732, 0.743], "rollout": 0.4385, "train": 0.613, "sync_s": 0.0684,
+                        "train_async": 0.6656, "sync_s_async": 0.0687, "response_len_mean": 10.18},
+    # 16-core GPU box, GPU hidden, uncontended (2026-11-22, docs "GPU box"): 2 rounds per mode.
     "avs16": {"cmd": "CUDA_VISIBLE_DEVICES= python benchmarks/async_vs_sync.py --rounds 2 (GPU box)",
               "tag": ", 16-core box",
               "sync": 1.876, "sync_rounds": [1.903, 1.849], "async": 1.012, "async_rounds": [1.010, 1.014],
               "rollout": 0.870, "train": 0.902, "sync_s": 0.104, "train_async": 0.902, "sync_s_async": 0.109,
               "response_len_mean": 10.15},
-    # queue_scheduling.py defaults, session 3 09:57, quiet (runs/bench_queue_s3, steps 2-9 of 2 rounds); the
+    # queue_scheduling.py defaults, 2026-11-22 09:57, quiet (runs/bench_queue_s3, steps 2-9 of 2 rounds); the
     # batch baseline writes no metrics.jsonl (numbers from the benchmark's JSON, docs/benchmarks.md).
     "queue": {"cmd": "python benchmarks/queue_scheduling.py --out runs/bench_queue_s3", "tag": "",
               "batch": 0.978, "batch_rounds": [], "queue": 0.983, "queue_rounds": [1.067, 0.899],
               "no_extra": 0.918, "no_extra_rounds": [0.925, 0.911], "runs": "bench_queue_s3", "skip": 2,
               "dirs": {"queue": "queue", "no_extra": "queue_no_extra"}},
-    # prompt_replication.py --chunk 4 --rounds 3 (8 slots per engine), session 3 10:27, load 0.6-1.7
+    # prompt_replication.py --chunk 4 --rounds 3 (8 slots per engine), 2026-11-22 10:27, load 0.6-1.7
     # (runs/bench_pr_s3_8, steps 3-9).
     "rep8": {"cmd": "python benchmarks/prompt_replication.py --chunk 4 --rounds 3", "tag": "",
              "off": 0.454, "off_rounds": [0.429, 0.548, 0.384], "on": 0.376, "on_rounds": [0.404, 0.367, 0.358],
              "chunk4": 0.391, "chunk4_rounds": [0.429, 0.401, 0.343], "runs": "bench_pr_s3_8", "skip": 3,
              "dirs": {"off": "off", "on": "on", "chunk4": "chunked"}},
-    # ... --max-inflight 16 --chunk 4 (2 rounds), session 3 10:31 (runs/bench_pr_s3).
+    # ... --max-inflight 16 --chunk 4 (2 rounds), 2026-11-22 10:31 (runs/bench_pr_s3).
     "rep16": {"cmd": "python benchmarks/prompt_replication.py --max-inflight 16 --chunk 4", "tag": "",
               "off": 0.287, "off_rounds": [0.267, 0.308], "on": 0.342, "on_rounds": [0.268, 0.416],
               "chunk4": 0.256, "chunk4_rounds": [0.259, 0.253], "runs": "bench_pr_s3", "skip": 3,
               "dirs": {"off": "off", "on": "on", "chunk4": "chunked"}},
-    # The same with 8 slots (defaults), 1 round, on the 16-core GPU box (GPU hidden, uncontended; session 4,
+    # The same with 8 slots (defaults), 1 round, on the 16-core GPU box (GPU hidden, uncontended; 2026-11-22,
     # docs/benchmarks.md "GPU box"): `CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 python
     # benchmarks/prompt_replication.py --rounds 1 --chunk 4`.
     "rep8_16core": {"tag": ", 16-core box",
                     "cmd": "CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --rounds 1 --chunk 4 (GPU box)",
                     "off": 0.511, "off_rounds": [0.511], "on": 0.399, "on_rounds": [0.399],
                     "chunk4": 0.556, "chunk4_rounds": [0.556]},
-    # The same with 8 slots, 2 rounds, 2-core box, session 5 (load 0.85), minutes after STEP_S5_L2_H64:
+    # The same with 8 slots, 2 rounds, 2-core box, 2026-11-24 (load 0.85), minutes after STEP_2026_11_24_EARLY_L2_H64:
     # `OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --chunk 4 --rounds 2`.
-    "rep8_s5": {"tag": ", 2-core box, session 5 curve",
-                "cmd": "OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --chunk 4 --rounds 2 (session 5)",
-                "off": 0.496, "off_rounds": [0.491, 0.501], "on": 0.460, "on_rounds": [0.497, 0.423],
-                "chunk4": 0.502, "chunk4_rounds": [0.448, 0.557]},
-    # The same two benchmarks on 2026-11-24, 2-core box, minutes after STEP_S7_L2_H64 (load 0.7-2.4: the two
-    # engines and the trainer): `OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --chunk 4 --rounds 2
+    "rep8_2026_11_24_early": {"tag": ", 2-core box, earlier 2026-11-24 curve",
+                              "cmd": "OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --chunk 4 --rounds 2 "
+                                     "(2026-11-24)",
+                              "off": 0.496, "off_rounds": [0.491, 0.501], "on": 0.460, "on_rounds": [0.497, 0.423],
+                              "chunk4": 0.502, "chunk4_rounds": [0.448, 0.557]},
+    # The same two benchmarks on 2026-11-24, 2-core box, minutes after STEP_2026_11_24_L2_H64 (load 0.7-2.4: the
+    # two engines and the trainer): `OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --chunk 4 --rounds 2
     # --out runs/bench_pr_s7` (14:24) and `OMP_NUM_THREADS=1 python benchmarks/queue_scheduling.py --out
     # runs/bench_queue_s7` (14:25).
-    "rep8_s7": {"tag": ", 2026-11-24 curve",
-                "cmd": "OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --chunk 4 --rounds 2 --out runs/bench_pr_s7",
-                "off": 0.3492, "off_rounds": [0.366, 0.333], "on": 0.2466, "on_rounds": [0.237, 0.256],
-                "chunk4": 0.3216, "chunk4_rounds": [0.314, 0.330]},
-    "queue_s7": {"cmd": "OMP_NUM_THREADS=1 python benchmarks/queue_scheduling.py --out runs/bench_queue_s7 (2026-11-24)",
-                 "tag": ", 2026-11-24 curve",
-                 "batch": 0.7878, "batch_rounds": [0.813, 0.763], "queue": 0.7344, "queue_rounds": [0.743, 0.726],
-                 "no_extra": 0.7086, "no_extra_rounds": [0.707, 0.710]},
+    "rep8_2026_11_24": {"tag": ", 2026-11-24 curve",
+                        "cmd": "OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py --chunk 4 --rounds 2 "
+                               "--out runs/bench_pr_s7",
+                        "off": 0.3492, "off_rounds": [0.366, 0.333], "on": 0.2466, "on_rounds": [0.237, 0.256],
+                        "chunk4": 0.3216, "chunk4_rounds": [0.314, 0.330]},
+    "queue_2026_11_24": {"cmd": "OMP_NUM_THREADS=1 python benchmarks/queue_scheduling.py --out runs/bench_queue_s7 "
+                                "(2026-11-24)",
+                         "tag": ", 2026-11-24 curve",
+                         "batch": 0.7878, "batch_rounds": [0.813, 0.763], "queue": 0.7344,
+                         "queue_rounds": [0.743, 0.726], "no_extra": 0.7086, "no_extra_rounds": [0.707, 0.710]},
     # queue_scheduling.py with its two engines on the H200 (bf16), 1 round, 2026-11-26 18:55-18:58, beside the
     # contract tier on the same GPU: `python benchmarks/queue_scheduling.py --engine-device cuda --rounds 1`.
     "queue_h200": {"cmd": "python benchmarks/queue_scheduling.py --engine-device cuda --rounds 1 (H200)",
@@ -197,14 +204,16 @@ MEASURED: dict[str, dict] = {
                    "no_extra": 3.4549, "no_extra_rounds": [3.455]},
     # env_async.py on 2026-11-24 14:33-14:38, 2-core box, quiet (load 0.4-0.7): `OMP_NUM_THREADS=1 python
     # benchmarks/env_async.py --mu-ms 100,300 --repeats 3 --redundancy 0`, medians of 3.
-    "env300_s7": {"cmd": "OMP_NUM_THREADS=1 python benchmarks/env_async.py --mu-ms 100,300 --repeats 3 --redundancy 0",
-                  "tag": ", 2026-11-24 curve",
-                  "batch": 39.4, "batch_rounds": [39.64, 39.27, 39.4], "async": 15.57,
-                  "async_rounds": [15.53, 15.57, 15.69]},
-    "env100_s7": {"cmd": "OMP_NUM_THREADS=1 python benchmarks/env_async.py --mu-ms 100,300 --repeats 3 --redundancy 0",
-                  "tag": ", 2026-11-24 curve",
-                  "batch": 18.23, "batch_rounds": [18.11, 18.26, 18.23], "async": 7.46,
-                  "async_rounds": [7.23, 7.46, 7.57]},
+    "env300_2026_11_24": {"cmd": "OMP_NUM_THREADS=1 python benchmarks/env_async.py --mu-ms 100,300 --repeats 3 "
+                                 "--redundancy 0",
+                          "tag": ", 2026-11-24 curve",
+                          "batch": 39.4, "batch_rounds": [39.64, 39.27, 39.4], "async": 15.57,
+                          "async_rounds": [15.53, 15.57, 15.69]},
+    "env100_2026_11_24": {"cmd": "OMP_NUM_THREADS=1 python benchmarks/env_async.py --mu-ms 100,300 --repeats 3 "
+                                 "--redundancy 0",
+                          "tag": ", 2026-11-24 curve",
+                          "batch": 18.23, "batch_rounds": [18.11, 18.26, 18.23], "async": 7.46,
+                          "async_rounds": [7.23, 7.46, 7.57]},
     # env_async.py, 64 env instances, medians of 3 interleaved runs, quiet box (docs "Env-level async").
     "env300": {"cmd": "python benchmarks/env_async.py --mu-ms 300 --repeats 3", "tag": "", "batch": 45.1, "async": 16.9},
     "env100": {"cmd": "python benchmarks/env_async.py --mu-ms 100 --repeats 3", "tag": "", "batch": 25.3, "async": 13.6},
@@ -462,45 +471,51 @@ def paper_shape(*, steps: int, seeds: int, gpus: list[int], sigmas: list[float],
 
 def validate(*, seeds: int, steps: int, log: Callable[[str], None] = print) -> dict:
     alone = CostSet("alone")
-    s2 = CostSet("session 2", step_small=STEP_SESSION2, step_large=STEP_SESSION2)
+    loaded = CostSet("loaded 2026-11-22", step_small=STEP_LOADED_2026_11_22, step_large=STEP_LOADED_2026_11_22)
     fitted = CostSet("stage time")
     req = {"stage time": fit_request_cost(MEASURED["avs2"], alone, seeds=seeds, steps=steps)}
     req16 = {"stage time": fit_request_cost(MEASURED["avs16"], alone, seeds=seeds, steps=steps)}
     log(f"engine seconds per request solved from the α = 0 rollout stage: 2-core box {req['stage time'] * 1e3:.2f} ms, "
         f"16-core box {req16['stage time'] * 1e3:.2f} ms (alone, closed loop: {ENGINE_PER_REQUEST_S * 1e3:.1f} ms)")
-    sets = [alone, s2, fitted]
+    sets = [alone, loaded, fitted]
     rows = async_vs_sync("avs2", sets, req, seeds=seeds, steps=steps)
     rows += queue_scheduling(sets, req, seeds=seeds, steps=steps)
     rows += prompt_replication(8, sets, req, seeds=seeds, steps=steps)
     rows += prompt_replication(16, sets, req, seeds=seeds, steps=steps)
     rows += env_async(sets, req, seeds=seeds)
-    # 2-core box, session 5: replication re-measured next to a fresh decode-step curve (same box, same hour)
-    rows += prompt_replication(8, [CostSet("alone", step_small=STEP_S5_L2_H64),
-                                   CostSet("stage time", step_small=STEP_S5_L2_H64)], req, seeds=seeds, steps=steps,
-                               key="rep8_s5")
+    # 2-core box, 2026-11-24 (before f55fc73): replication re-measured next to a fresh decode-step curve (same box,
+    # same hour)
+    rows += prompt_replication(8, [CostSet("alone", step_small=STEP_2026_11_24_EARLY_L2_H64),
+                                   CostSet("stage time", step_small=STEP_2026_11_24_EARLY_L2_H64)], req, seeds=seeds,
+                               steps=steps, key="rep8_2026_11_24_early")
     # 2-core box, 2026-11-24: async_vs_sync re-run minutes before a fresh 4 × 160 curve and closed-loop request
     # cost (after the CPU server's cheaper request path); the stage-time set solves its own request cost from
     # this run's α = 0 rollout stage, so only its α = 2 rows are predictions.
-    s7 = dict(step_large=STEP_S7_L4_H160, request_s=ENGINE_PER_REQUEST_S7, client_s=CLIENT_CPU_PER_REQUEST_S7)
-    alone7 = CostSet("alone", **s7)
-    req7 = {"stage time": fit_request_cost(MEASURED["avs2_s7"], alone7, seeds=seeds, steps=steps)}
+    nov24 = dict(step_large=STEP_2026_11_24_L4_H160, request_s=ENGINE_PER_REQUEST_2026_11_24,
+                 client_s=CLIENT_CPU_PER_REQUEST_2026_11_24)
+    alone_nov24 = CostSet("alone", **nov24)
+    req_nov24 = {"stage time": fit_request_cost(MEASURED["avs2_2026_11_24"], alone_nov24, seeds=seeds, steps=steps)}
     log(f"2026-11-24 2-core run: engine seconds per request solved from its α = 0 stage "
-        f"{req7['stage time'] * 1e3:.2f} ms (closed loop alone {ENGINE_PER_REQUEST_S7 * 1e3:.2f} ms)")
-    same_hour = async_vs_sync("avs2_s7", [alone7, CostSet("stage time", **s7)], req7, seeds=seeds, steps=steps)
+        f"{req_nov24['stage time'] * 1e3:.2f} ms (closed loop alone {ENGINE_PER_REQUEST_2026_11_24 * 1e3:.2f} ms)")
+    same_hour = async_vs_sync("avs2_2026_11_24", [alone_nov24, CostSet("stage time", **nov24)], req_nov24, seeds=seeds,
+                              steps=steps)
     # Same day: queue scheduling and replication next to a fresh 2 × 64 curve; `alone` takes the closed-loop
-    # request cost at the benchmark's running requests, `stage time` the one solved from avs2_s7.
-    fitted7 = CostSet("stage time", step_small=STEP_S7_L2_H64, client_s=CLIENT_CPU_PER_REQUEST_S7)
-    same_hour += queue_scheduling([CostSet("alone", step_small=STEP_S7_L2_H64, request_s=ENGINE_PER_REQUEST_S7_CAP4,
-                                           client_s=CLIENT_CPU_PER_REQUEST_S7), fitted7], req7, seeds=seeds,
-                                  steps=steps, key="queue_s7")
-    same_hour += prompt_replication(8, [CostSet("alone", step_small=STEP_S7_L2_H64,
-                                                request_s=ENGINE_PER_REQUEST_S7_CAP8,
-                                                client_s=CLIENT_CPU_PER_REQUEST_S7), fitted7], req7, seeds=seeds,
-                                    steps=steps, key="rep8_s7")
-    same_hour += env_async([CostSet("alone", step_small=STEP_S7C_L2_H64, request_s=ENGINE_PER_REQUEST_S7_CAP64,
-                                    client_s=CLIENT_CPU_PER_REQUEST_S7),
-                            CostSet("stage time", step_small=STEP_S7C_L2_H64, client_s=CLIENT_CPU_PER_REQUEST_S7)],
-                           req7, seeds=seeds, suffix="_s7")
+    # request cost at the benchmark's running requests, `stage time` the one solved from avs2_2026_11_24.
+    fitted_nov24 = CostSet("stage time", step_small=STEP_2026_11_24_L2_H64, client_s=CLIENT_CPU_PER_REQUEST_2026_11_24)
+    same_hour += queue_scheduling([CostSet("alone", step_small=STEP_2026_11_24_L2_H64,
+                                           request_s=ENGINE_PER_REQUEST_2026_11_24_CAP4,
+                                           client_s=CLIENT_CPU_PER_REQUEST_2026_11_24), fitted_nov24], req_nov24,
+                                  seeds=seeds, steps=steps, key="queue_2026_11_24")
+    same_hour += prompt_replication(8, [CostSet("alone", step_small=STEP_2026_11_24_L2_H64,
+                                                request_s=ENGINE_PER_REQUEST_2026_11_24_CAP8,
+                                                client_s=CLIENT_CPU_PER_REQUEST_2026_11_24), fitted_nov24], req_nov24,
+                                    seeds=seeds, steps=steps, key="rep8_2026_11_24")
+    same_hour += env_async([CostSet("alone", step_small=STEP_2026_11_24_ENV_L2_H64,
+                                    request_s=ENGINE_PER_REQUEST_2026_11_24_CAP64,
+                                    client_s=CLIENT_CPU_PER_REQUEST_2026_11_24),
+                            CostSet("stage time", step_small=STEP_2026_11_24_ENV_L2_H64,
+                                    client_s=CLIENT_CPU_PER_REQUEST_2026_11_24)],
+                           req_nov24, seeds=seeds, suffix="_2026_11_24")
     for r in same_hour:
         r["same_hour"] = True  # every input measured within minutes of the benchmark, on the same box
     rows += same_hour
@@ -511,14 +526,14 @@ def validate(*, seeds: int, steps: int, log: Callable[[str], None] = print) -> d
     alone16 = CostSet("alone", step_small=STEP16_L2_H64)
     fitted16 = CostSet("stage time", step_small=STEP16_L2_H64)
     rows += prompt_replication(8, [alone16, fitted16], req16, seeds=seeds, steps=steps, key="rep8_16core")
-    # The engines on a GPU: the planner fed with the CUDA decode curve of the same session (nothing fitted).
+    # The engines on a GPU: the planner fed with the CUDA decode curve of the same H200 run (nothing fitted).
     rows += queue_scheduling([CostSet("alone", step_small=STEP_H200_L2_H64, request_s=ENGINE_PER_REQUEST_H200,
-                                      client_s=CLIENT_CPU_PER_REQUEST_S7)], {}, seeds=seeds, steps=steps,
+                                      client_s=CLIENT_CPU_PER_REQUEST_2026_11_24)], {}, seeds=seeds, steps=steps,
                              key="queue_h200")
     for r in rows:
         r.setdefault("same_hour", False)
     return {"rows": rows, "request_engine_s": {"2-core": round(req["stage time"], 6),
-                                               "2-core 2026-11-24": round(req7["stage time"], 6),
+                                               "2-core 2026-11-24": round(req_nov24["stage time"], 6),
                                                "16-core": round(req16["stage time"], 6)}}
 
 
@@ -555,8 +570,9 @@ def main(argv: list[str] | None = None) -> int:
                                   "constants recorded in docs/benchmarks.md (no --runs)"))
     out = validate(seeds=args.seeds, steps=args.steps)
     rows = out["rows"]
-    costs = ["alone", "session 2", "stage time"]
-    head = f"  {'':<48} {'measured':>8} {'rounds':>11} " + " ".join(f"{c:>16}" for c in costs)
+    costs = ["alone", "loaded 2026-11-22", "stage time"]
+    widths = {c: max(16, len(c)) for c in costs}
+    head = f"  {'':<48} {'measured':>8} {'rounds':>11} " + " ".join(f"{c:>{widths[c]}}" for c in costs)
     last = None
     for r in rows:
         if r["benchmark"] != last:
@@ -566,10 +582,10 @@ def main(argv: list[str] | None = None) -> int:
         cells = []
         for c in costs:
             if c not in r["predicted"]:
-                cells.append(f"{'':>16}")
+                cells.append(f"{'':>{widths[c]}}")
                 continue
             tag = "fit" if c in r["fit"] else f"{r['error'][c]:+.0%}"
-            cells.append(f"{r['predicted'][c]:>9.3f} {tag:>6}")
+            cells.append(f"{r['predicted'][c]:>{widths[c] - 7}.3f} {tag:>6}")
         print(f"  {r['what']:<48} {r['measured']:>8.3f} {rng:>11} " + " ".join(cells))
     print()
     summ = {c: summary(rows, c) for c in costs}

@@ -1,7 +1,7 @@
 """The product with its trainer on a GPU (1 GPU is enough): CUDA weight sync and the whole quickstart.
 
-The engine is the project's local engine server (SGLang on GPU is not installed on the lent GPU
-machines), on the CPU or (`--device cuda`) on the same GPU as the trainer; the `ipc` transport stages
+The engine is the project's local engine server (SGLang on GPU is not installed on the GPU
+machines it ran on), on the CPU or (`--device cuda`) on the same GPU as the trainer; the `ipc` transport stages
 the trainer's CUDA tensors into its host shared buffers (one device→host copy) and the engine copies
 them into its own weights. Trainer logits are fp32 on the GPU vs fp32 on the engine: compared at 1e-3
 (matmul order differs).

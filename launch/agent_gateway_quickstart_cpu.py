@@ -23,29 +23,15 @@ Stages (each prints progress; the last line is one JSON summary):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
-import subprocess
 import sys
-import time
-import warnings
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-warnings.filterwarnings("ignore")
-
-import torch  # noqa: E402
-
-torch.set_num_threads(1)
+from quickstart_common import REPO, Quickstart, arg_parser
 
 CONFIG = os.path.join(REPO, "configs/agentic_gateway_cpu.yaml")
-
-
-def log(msg: str) -> None:
-    print(f"[gateway-quickstart {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def shuffled_digits(text: str, rng: random.Random) -> str:
@@ -87,47 +73,7 @@ def episode_sample(tokenizer: Any, question: str, rng: random.Random) -> Any:
     return Sample(prompt, response, [0.0] * len(response), response_mask=mask)
 
 
-def warm_up(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
-    from megatron_flash.config.schema import OptimizerConfig
-    from megatron_flash.rewards.synthetic import get_task
-    from megatron_flash.trainer.loss_adapter import nll_loss_fn
-    from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
-    from megatron_flash.types import collate
-
-    task = get_task("add2")
-    policy = MegatronPolicy(PolicySettings(hf_path=os.path.join(args.out, "tiny_model"), micro_batch_size=args.sft_batch,
-                                           seed=args.seed, optimizer_steps=args.sft_steps,
-                                           optimizer=OptimizerConfig(lr=1e-3, clip_grad=1.0)))
-    rng = random.Random(args.seed + 7)
-    losses = []
-    for step in range(1, args.sft_steps + 1):
-        samples = [episode_sample(tokenizer, task.make(rng)[0], rng) for _ in range(args.sft_batch)]
-        metrics = policy.train_step(collate(samples, pad_id=tokenizer.pad_token_id), nll_loss_fn)
-        losses.append(metrics["loss"])
-        if step % 50 == 0 or step == 1:
-            log(f"warm-up step {step:4d}/{args.sft_steps}  nll per reply token {metrics['loss']:.3f}")
-    warm = os.path.join(args.out, "warm_model")
-    policy.export_hf(warm)
-    log(f"exported {warm}")
-    tail = losses[-10:]
-    return {"sft_steps": args.sft_steps, "sft_nll_first": losses[0], "sft_nll_last": sum(tail) / len(tail)}
-
-
-def rl(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
-    run_dir = os.path.join(args.out, "rl")
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.exists(metrics_path):
-        os.remove(metrics_path)
-    cmd = [sys.executable, os.path.join(REPO, "launch/pretrain_async_rl.py"), "--config", CONFIG,
-           f"model.hf_path={os.path.join(args.out, 'warm_model')}", f"logging.dir={run_dir}", *overrides]
-    log("RL: " + " ".join(cmd[1:]))
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-                                                            "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    proc = subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
-    if proc.returncode != 0:
-        raise SystemExit(f"gateway quickstart: the RL run failed (exit {proc.returncode}); see the output above")
-    with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+def summarize(rows: list[dict[str, Any]], metrics_path: str) -> dict[str, Any]:
     success = [r["env/success_rate"] for r in rows]
     k = min(5, len(rows))
     return {"rl_steps": len(rows), "success_first5": sum(success[:k]) / k, "success_last5": sum(success[-k:]) / k,
@@ -137,35 +83,26 @@ def rl(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/agent_gateway")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sft-steps", type=int, default=300)
+    p = arg_parser(__doc__, out="runs/agent_gateway", sft_steps=300)
     p.add_argument("--sft-batch", type=int, default=32)
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for the RL run")
     args = p.parse_args()
-    t0 = time.time()
-    os.makedirs(args.out, exist_ok=True)
-    tiny = os.path.join(args.out, "tiny_model")
-    if not os.path.isfile(os.path.join(tiny, "config.json")):
-        subprocess.run([sys.executable, os.path.join(REPO, "tools/make_tiny_model.py"), "--out", tiny, "--chat",
-                        "--seed", str(args.seed)], check=True, capture_output=True)
-    log(f"tiny chat model at {tiny}")
-    import transformers
+    run = Quickstart("gateway quickstart", out=args.out)
+    tokenizer = run.tiny_model(seed=args.seed, flags=("--chat",), label="tiny chat model")
+    from megatron_flash.rewards.synthetic import get_task
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny)
-    summary: dict[str, Any] = {"task": "add2 via the calculator agent"}
-    summary.update(warm_up(args, tokenizer))
-    from megatron_flash.trainer.distributed import destroy_distributed
-
-    destroy_distributed()
-    summary.update(rl(args, args.overrides))
-    summary["seconds"] = round(time.time() - t0, 1)
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    log(f"success rate: first-5-step mean {summary['success_first5']:.3f} → last-5-step mean "
-        f"{summary['success_last5']:.3f} in {summary['rl_steps']} steps; {summary['seconds']} s total")
-    print(json.dumps({k: v for k, v in summary.items() if k != "success"}))
+    task = get_task("add2")
+    rng = random.Random(args.seed + 7)
+    warm = run.warm_up(seed=args.seed, num_steps=args.sft_steps, batch_size=args.sft_batch,
+                       make_samples=lambda: [episode_sample(tokenizer, task.make(rng)[0], rng)
+                                             for _ in range(args.sft_batch)],
+                       pad_id=tokenizer.pad_token_id, loss_label="nll per reply token", log_every=50)
+    run.log(f"exported {warm.path}")
+    summary: dict[str, Any] = {"task": "add2 via the calculator agent", "sft_steps": args.sft_steps, **warm.nll()}
+    rows = run.rl(config=CONFIG, overrides=args.overrides, env={"PYTHONPATH": REPO})
+    summary.update(summarize(rows, run.metrics_path))
+    run.finish(summary, hide="success",
+               headline="success rate: first-5-step mean {success_first5:.3f} → last-5-step mean {success_last5:.3f} "
+                        "in {rl_steps} steps; {seconds} s total")
     return 0
 
 

@@ -29,32 +29,19 @@ reward in minutes.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import itertools
-import json
+import math
 import os
 import random
-import subprocess
+import shutil
 import sys
-import time
-import warnings
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-warnings.filterwarnings("ignore")
-
-import torch  # noqa: E402
-
-torch.set_num_threads(1)
+from quickstart_common import REPO, Quickstart, arg_parser
 
 CONFIG = os.path.join(REPO, "configs/agentic_frozenlake_cpu.yaml")
 WARM_UP_SEED_OFFSET = 1_000_000  # warm-up maps never coincide with the RL run's env seeds
-
-
-def log(msg: str) -> None:
-    print(f"[agentic-quickstart {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------- warm-up
@@ -91,38 +78,18 @@ def random_episode(env: Any, chat: Any, agentic: Any, *, seed: int, max_seq_len:
     return Sample(list(prompt_ids), ids, [0.0] * len(ids), response_mask=mask)
 
 
-def warm_up(args: argparse.Namespace, cfg: Any, tokenizer: Any) -> dict[str, Any]:
+def random_episodes(cfg: Any, tokenizer: Any, *, seed: int, batch_size: int) -> Any:
+    """A `make_samples` for the warm-up: each call, `batch_size` random episodes on fresh maps."""
     from megatron_flash.agentic import make_env, unwrap
     from megatron_flash.agentic.env_manager import ChatTokens
-    from megatron_flash.config.schema import OptimizerConfig
-    from megatron_flash.trainer.loss_adapter import nll_loss_fn
-    from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
-    from megatron_flash.types import collate
 
     agentic = cfg.agentic
     env = unwrap(make_env(agentic.env, **dict(agentic.env_params)))  # the SyncEnv, called directly
     chat = ChatTokens(tokenizer, system_prompt=agentic.system_prompt)
-    policy = MegatronPolicy(PolicySettings(hf_path=os.path.join(args.out, "tiny_model"),
-                                           micro_batch_size=args.sft_batch, seed=args.seed,
-                                           optimizer_steps=args.sft_steps,
-                                           optimizer=OptimizerConfig(lr=1e-3, clip_grad=1.0)))
-    rng = random.Random(args.seed)
+    rng = random.Random(seed)
     seeds = itertools.count(WARM_UP_SEED_OFFSET)
-    losses = []
-    for step in range(1, args.sft_steps + 1):
-        samples = [random_episode(env, chat, agentic, seed=next(seeds), max_seq_len=cfg.trainer.max_seq_len,
-                                  rng=rng) for _ in range(args.sft_batch)]
-        batch = collate(samples, pad_id=tokenizer.pad_token_id)
-        metrics = policy.train_step(batch, nll_loss_fn)
-        losses.append(metrics["loss"])
-        if step % 25 == 0 or step == 1:
-            log(f"warm-up step {step:4d}/{args.sft_steps}  nll per action token {metrics['loss']:.3f} "
-                f"(uniform over 4 letters, end token certain: {0.5 * torch.log(torch.tensor(4.0)).item():.3f})")
-    warm = os.path.join(args.out, "warm_model")
-    policy.export_hf(warm)
-    log(f"exported {warm}")
-    tail = losses[-10:]
-    return {"sft_steps": args.sft_steps, "sft_nll_first": losses[0], "sft_nll_last": sum(tail) / len(tail)}
+    return lambda: [random_episode(env, chat, agentic, seed=next(seeds), max_seq_len=cfg.trainer.max_seq_len,
+                                   rng=rng) for _ in range(batch_size)]
 
 
 # ---------------------------------------------------------------------------------------- baseline
@@ -158,25 +125,7 @@ def random_walk_success(cfg: Any, seeds: range) -> float:
     return sum(rates) / len(rates)
 
 
-# ---------------------------------------------------------------------------------------- RL
-def rl(args: argparse.Namespace, cfg: Any, overrides: list[str]) -> list[dict[str, Any]]:
-    run_dir = os.path.join(args.out, "rl")
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.exists(metrics_path):
-        os.remove(metrics_path)  # one run's curve, not an append of several
-    cmd = [sys.executable, os.path.join(REPO, "launch/pretrain_async_rl.py"), "--config", CONFIG,
-           f"model.hf_path={os.path.join(args.out, 'warm_model')}", f"logging.dir={run_dir}", *overrides]
-    log("RL: " + " ".join(cmd[1:]))
-    # The warm-up's single-process group left MASTER_PORT & co. in os.environ: the RL run picks its own.
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-                                                            "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    proc = subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": "1"})
-    if proc.returncode != 0:
-        raise SystemExit(f"agentic quickstart: the RL run failed (exit {proc.returncode}); see the output above")
-    with open(metrics_path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
+# ---------------------------------------------------------------------------------------- summary
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     def mean(key: str, part: list[dict[str, Any]]) -> float:
         values = [r[key] for r in part if r.get(key) is not None]
@@ -198,48 +147,35 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/agentic_quickstart")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sft-steps", type=int, default=150, help="warm-up optimizer steps (0 = none)")
+    p = arg_parser(__doc__, out="runs/agentic_quickstart", sft_steps=150,
+                   sft_steps_help="warm-up optimizer steps (0 = none)", overrides_help="config overrides")
     p.add_argument("--sft-batch", type=int, default=32, help="episodes per warm-up step")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     args = p.parse_args()
     from megatron_flash.config import load_config
 
     cfg = load_config(CONFIG, args.overrides)
-    t0 = time.time()
-    os.makedirs(args.out, exist_ok=True)
-    tiny = os.path.join(args.out, "tiny_model")
-    if not os.path.isfile(os.path.join(tiny, "config.json")):
-        subprocess.run([sys.executable, os.path.join(REPO, "tools/make_tiny_model.py"), "--out", tiny,
-                        "--seed", str(args.seed)], check=True, capture_output=True)
-    log(f"tiny model at {tiny}")
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny)
+    run = Quickstart("agentic quickstart", out=args.out)
+    tokenizer = run.tiny_model(seed=args.seed)
     summary: dict[str, Any] = {"env": cfg.agentic.env, "env_params": dict(cfg.agentic.env_params)}
     if args.sft_steps > 0:
-        summary.update(warm_up(args, cfg, tokenizer))
-        from megatron_flash.trainer.distributed import destroy_distributed
-
-        destroy_distributed()  # the RL run is its own process (its own process group and engines)
+        note = f" (uniform over 4 letters, end token certain: {0.5 * math.log(4.0):.3f})"
+        warm = run.warm_up(seed=args.seed, num_steps=args.sft_steps, batch_size=args.sft_batch,
+                           make_samples=random_episodes(cfg, tokenizer, seed=args.seed, batch_size=args.sft_batch),
+                           pad_id=tokenizer.pad_token_id, loss_label="nll per action token", log_every=25,
+                           loss_note=note)
+        run.log(f"exported {warm.path}")
+        summary.update({"sft_steps": args.sft_steps, **warm.nll()})
     else:
-        import shutil
-
-        shutil.copytree(tiny, os.path.join(args.out, "warm_model"), dirs_exist_ok=True)
-    rows = rl(args, cfg, args.overrides)
+        shutil.copytree(run.tiny_path, run.warm_path, dirs_exist_ok=True)
+    rows = run.rl(config=CONFIG, overrides=args.overrides)
     summary.update(summarize(rows))
     groups_per_step = cfg.trainer.global_batch_size * cfg.trainer.num_mini_batches // cfg.rollout.n_samples_per_prompt
     seeds = range(cfg.agentic.seed, cfg.agentic.seed + len(rows) * groups_per_step)
     summary["random_walk_success"] = round(random_walk_success(cfg, seeds), 4)
-    summary["seconds"] = round(time.time() - t0, 1)
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    log(f"success rate: first-5-step mean {summary['success_first5']:.3f} → last-5-step mean "
-        f"{summary['success_last5']:.3f} in {summary['rl_steps']} async RL steps (random walk on the same "
-        f"maps: {summary['random_walk_success']:.3f}); {summary['seconds']} s total")
-    print(json.dumps({k: v for k, v in summary.items() if k != "success_per_step"}))
+    run.finish(summary, hide="success_per_step",
+               headline="success rate: first-5-step mean {success_first5:.3f} → last-5-step mean {success_last5:.3f} "
+                        "in {rl_steps} async RL steps (random walk on the same maps: {random_walk_success:.3f}); "
+                        "{seconds} s total")
     return 0
 
 

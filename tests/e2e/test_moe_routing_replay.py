@@ -30,4 +30,6 @@ def test_tiny_moe_learns_with_routing_replay(tmp_path) -> None:
     assert all(r["train/moe_route_replayed"] == 1.0 for r in rows)
     agreement = [r["train/moe_route_agreement"] for r in rows]
     assert all(0.0 < a <= 1.0 for a in agreement) and min(agreement) < 1.0
-    assert max(r["staleness_max"] for r in rows) == 2
+    # Stale samples were trained (what makes routing differ) and α = 2 bounds them. Admission looks
+    # ahead α batches only while the trainer waits for rollout, so 1 is a valid maximum on a busy box.
+    assert 1 <= max(r["staleness_max"] for r in rows) <= 2

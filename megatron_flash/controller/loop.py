@@ -300,7 +300,7 @@ class Controller:
         size = t.global_batch_size
         fields = batch.replace(staleness=None)  # for metrics only
         rng = random.Random(t.seed * 1_000_003 + self.version)
-        sums: dict[str, float] = {}
+        sums: dict[str, Optional[float]] = {}
         count = 0
         for _epoch in range(t.num_epochs):
             # Mini-batches hold whole groups; their order is reshuffled each epoch (seeded).
@@ -312,10 +312,10 @@ class Controller:
                 idx = order[lo:lo + size]
                 metrics = self.policy.train_step(fields.rows(idx), self.loss_fn)
                 self._note_nonfinite(metrics, fields.rows(idx))
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v
+                for k, v in metrics.items():  # a null (e.g. mfu without a known peak) stays null
+                    sums[k] = None if v is None or sums.get(k, 0.0) is None else sums.get(k, 0.0) + v
                 count += 1
-        return {f"train/{k}": v / count for k, v in sums.items()}
+        return {f"train/{k}": None if v is None else v / count for k, v in sums.items()}
 
     def _note_nonfinite(self, metrics: dict[str, float], batch: TrainBatch) -> None:
         """Skipped optimizer steps (a NaN/inf gradient) in a row; at trainer.max_nonfinite_steps the run

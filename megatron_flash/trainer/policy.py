@@ -18,6 +18,7 @@ same gradient. The trainer never looks at which loss it runs.
 from __future__ import annotations
 
 import dataclasses
+import time
 from functools import partial
 from typing import Any, Callable, Iterator, Optional
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from megatron_flash.config.schema import ModelConfig, OptimizerConfig, ParallelConfig, TrainerConfig
 from megatron_flash.trainer.distributed import Layout, init_distributed
 from megatron_flash.hf.io import export_hf, load_hf_weights
+from megatron_flash.trainer.flops import step_speed
 from megatron_flash.trainer.logprobs import vocab_parallel_logprobs
 from megatron_flash.trainer.micro_batches import BatchingOptions, Micro, build_micro_batches, scatter_rows
 from megatron_flash.trainer.model_builder import (
@@ -366,8 +368,12 @@ class MegatronPolicy:
         return self._gather(micro, store, "logits", tuple(tokens.shape) + (self.spec.vocab_size,))
 
     def train_step(self, batch: TrainBatch, loss_fn: MicroBatchLossFn, *, temperature: float = 1.0,
-                   with_entropy: bool = False) -> dict[str, float]:
-        """One optimizer step on `batch`. Returns metrics (token-weighted means) on every rank."""
+                   with_entropy: bool = False) -> dict[str, Optional[float]]:
+        """One optimizer step on `batch`. Returns metrics (token-weighted means) on every rank, and
+        the step's speed (trainer/flops.step_speed: mfu, tokens_per_s_per_gpu, peak_mem_gb)."""
+        started = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         micro = self._micro_batches(self._check_routes(_require_batch(batch, "train_step")))
 
         def factory(m: Micro) -> Callable[[torch.Tensor], Any]:
@@ -403,6 +409,10 @@ class MegatronPolicy:
         if self.router_stats is not None:
             metrics.update(self.router_stats.collect(len(micro), self.device))
             metrics.update(self.routing.collect(self.device))
+        rows, width = batch.tokens.shape
+        lengths = batch.lengths.tolist() if batch.lengths is not None else [width] * rows
+        metrics.update(step_speed(self.spec, lengths, seconds=time.perf_counter() - started,  # host-synced above
+                                  num_gpus=self.layout.world_size, device=self.device))
         return metrics
 
     def _grads_finite(self) -> bool:

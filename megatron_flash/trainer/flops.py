@@ -1,0 +1,84 @@
+"""Model FLOPs of a training step, and the utilisation they give (MFU), from the checkpoint's shape.
+
+Counted per real token (padding and filler rows are not useful work), forward + backward = 3 × forward,
+2 FLOPs per multiply-add:
+
+  matmuls    6 · N            N = weights one token multiplies through:
+                                per layer  h·(a·d + 2·g·d) [QKV] + a·d·h [out proj]
+                                           + 3·h·f [gated MLP]   (MoE: k·3·h·f_e + h·E [router])
+                                and h·V once for the output layer (the input embedding is a lookup)
+  attention  6 · a·d · L(L+1) per layer and sample of L tokens, causal, over the sample's own tokens
+             (forward: QKᵀ and PV, a·d·L(L+1)/2 multiply-adds each)
+
+h hidden, a query heads, g key/value groups, d head dim, f MLP width, V vocabulary, E experts, k
+routed per token, f_e expert width. Norms, RoPE, softmax and the loss are left out (they are O(h) or
+O(V) per token, not O(h²)). MFU = model FLOPs / (seconds · peak FLOP/s of one GPU · GPUs); the peak is
+the dense bf16 figure of the GPU's datasheet (PEAK_BF16), and none is claimed for a CPU or an unknown
+GPU (mfu is then reported as null).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from megatron_flash.hf.spec import HFModelSpec
+
+if TYPE_CHECKING:
+    import torch
+
+PEAK_BF16 = {  # dense bf16 tensor-core FLOP/s per GPU, by a substring of torch.cuda.get_device_name()
+    "H200": 989e12, "H100": 989e12, "H800": 989e12, "H20": 148e12,
+    "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12,
+}
+
+
+def matmul_weights_per_token(spec: HFModelSpec) -> int:
+    h, a, g, d = spec.hidden_size, spec.num_attention_heads, spec.num_query_groups, spec.head_dim
+    attention = h * (a * d + 2 * g * d) + a * d * h
+    if spec.moe is not None:
+        mlp = spec.moe.top_k * 3 * h * spec.moe.ffn_hidden_size + h * spec.moe.num_experts
+    else:
+        mlp = 3 * h * spec.ffn_hidden_size
+    return spec.num_layers * (attention + mlp) + h * spec.vocab_size
+
+
+def train_flops(spec: HFModelSpec, lengths: Sequence[int]) -> float:
+    """Model FLOPs of one forward + backward over samples of these lengths (tokens each)."""
+    n = matmul_weights_per_token(spec)
+    ad = spec.num_attention_heads * spec.head_dim
+    return float(sum(6 * n * L + 6 * ad * L * (L + 1) * spec.num_layers for L in lengths))
+
+
+def peak_flops(device_name: Optional[str]) -> Optional[float]:
+    """Dense bf16 peak of one GPU by name; None for a CPU or a GPU not in PEAK_BF16."""
+    if not device_name:
+        return None
+    for key in sorted(PEAK_BF16, key=len, reverse=True):  # "H200" before "H20"
+        if key in device_name:
+            return PEAK_BF16[key]
+    return None
+
+
+def step_speed(spec: HFModelSpec, lengths: Sequence[int], *, seconds: float, num_gpus: int,
+               device: "torch.device") -> dict[str, Optional[float]]:
+    """A train step's speed metrics: mfu (null without a known peak), tokens_per_s_per_gpu,
+    model_tflops_per_gpu, and peak_mem_gb: on CUDA the step's peak of allocated memory (the caller
+    resets the peak at the start of the step), on a CPU the process's peak resident set so far."""
+    import resource
+
+    import torch
+
+    seconds = max(seconds, 1e-9)
+    flops = train_flops(spec, lengths)
+    on_cuda = device.type == "cuda"
+    peak = peak_flops(torch.cuda.get_device_name(device)) if on_cuda else None
+    if on_cuda:
+        mem = torch.cuda.max_memory_allocated(device) / 1e9
+    else:
+        mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
+    return {
+        "mfu": flops / (seconds * peak * num_gpus) if peak else None,
+        "tokens_per_s_per_gpu": sum(lengths) / seconds / num_gpus,
+        "model_tflops_per_gpu": flops / seconds / num_gpus / 1e12,
+        "peak_mem_gb": mem,
+    }

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence
 
 DTYPES = ("float32", "bfloat16", "float16")
 TRI_STATE = ("auto", "true", "false")
+ATTENTION_BACKENDS = ("auto", "flash", "local")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 OPTIMIZERS = ("adam", "sgd")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
@@ -120,6 +121,11 @@ class ModelConfig(_Section):
     """Pad the embedding/output vocabulary to a multiple of this (times TP size), in tokens."""
     use_transformer_engine: str = "auto"
     """Megatron layer spec: auto (Transformer Engine when importable and CUDA present)|true|false."""
+    attention_backend: str = "auto"
+    """Core attention of the local (non-TE) layer spec: flash (torch's varlen flash attention for
+    packed rows, SDPA for padded ones: CUDA, bfloat16/float16) | local (Megatron's DotProductAttention,
+    per sample for packed rows: any device and dtype) | auto (flash on CUDA in bfloat16/float16, local
+    otherwise). With Transformer Engine in use its own attention runs and only auto is accepted."""
     moe_aux_loss_coeff: Optional[float] = None
     """MoE models: coefficient of the load-balancing (aux) loss added to the policy loss; null = the
     checkpoint's router_aux_loss_coef. Rejected for a dense model."""
@@ -135,6 +141,10 @@ class ModelConfig(_Section):
         self._one_of("dtype", DTYPES)
         self._at_least("make_vocab_size_divisible_by", 1)
         self._one_of("use_transformer_engine", TRI_STATE)
+        self._one_of("attention_backend", ATTENTION_BACKENDS)
+        if self.attention_backend == "flash" and self.dtype == "float32":
+            raise ValueError("model.attention_backend=flash needs model.dtype=bfloat16 or float16 (flash attention "
+                             "has no float32 kernel); use local for float32")
         self._one_of("moe_token_dispatcher", MOE_DISPATCHERS)
         if self.moe_aux_loss_coeff is not None:
             self._at_least("moe_aux_loss_coeff", 0.0)

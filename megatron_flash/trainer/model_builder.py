@@ -235,7 +235,8 @@ def transformer_config(spec: HFModelSpec, *, tp_size: int, pp_size: int, dtype: 
 
 
 def build_gpt_stage(spec: HFModelSpec, *, config: Any, make_vocab_size_divisible_by: int,
-                    use_transformer_engine: str = "auto", vp_stage: Optional[int] = None) -> Any:
+                    use_transformer_engine: str = "auto", attention: str = "local",
+                    vp_stage: Optional[int] = None) -> Any:
     """This rank's pipeline stage (or its virtual stage `vp_stage` under interleaving) as a GPTModel
     (parallel output: logits stay vocab-sharded)."""
     from megatron.core import parallel_state as ps
@@ -259,8 +260,13 @@ def build_gpt_stage(spec: HFModelSpec, *, config: Any, make_vocab_size_divisible
         from megatron_flash.trainer.norms import local_block_spec
 
         layer_spec = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm", qk_layernorm=spec.qk_norm)
-        # Packed rows (THD) on the local spec: attention per sample, like TE's (packed_attention.py).
-        layer_spec.submodules.self_attention.submodules.core_attention = packed_dot_product_attention()
+        if attention == "flash":  # torch's flash kernels, packed or padded (flash_attention.py)
+            from megatron_flash.trainer.flash_attention import flash_dot_product_attention
+
+            core = flash_dot_product_attention()
+        else:  # packed rows (THD): attention per sample, like TE's (packed_attention.py)
+            core = packed_dot_product_attention()
+        layer_spec.submodules.self_attention.submodules.core_attention = core
         layer_spec = local_block_spec(layer_spec, config, vp_stage=vp_stage)  # norms that allow sequence parallel
     model = GPTModel(
         config=config,

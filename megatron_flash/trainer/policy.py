@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron_flash.config.schema import ModelConfig, OptimizerConfig, ParallelConfig, TrainerConfig
 from megatron_flash.trainer.distributed import Layout, init_distributed
 from megatron_flash.hf.io import export_hf, load_hf_weights
+from megatron_flash.trainer.flash_attention import attention_backend
 from megatron_flash.trainer.flops import step_speed
 from megatron_flash.trainer.logprobs import vocab_parallel_logprobs
 from megatron_flash.trainer.micro_batches import BatchingOptions, Micro, build_micro_batches, scatter_rows
@@ -94,6 +95,7 @@ class PolicySettings:
     optimizer_steps: int = 100  # of the whole run: the LR schedule's length
     make_vocab_size_divisible_by: int = 128
     use_transformer_engine: str = "auto"
+    attention_backend: str = "auto"  # local spec: flash | local | auto (trainer/flash_attention.py)
     backend: str = "auto"
     collective_timeout_s: float = 600.0
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -123,7 +125,8 @@ class PolicySettings:
                            routing_replay=t.moe_routing_replay == "rollout"),
             seed=t.seed, optimizer_steps=t.total_steps * t.num_epochs * t.num_mini_batches,
             make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
-            use_transformer_engine=model.use_transformer_engine, backend=p.backend,
+            use_transformer_engine=model.use_transformer_engine, attention_backend=model.attention_backend,
+            backend=p.backend,
             collective_timeout_s=p.collective_timeout_s, optimizer=optimizer,
         )
 
@@ -137,6 +140,7 @@ class MegatronPolicy:
                         sequence_parallel=s.scale.sequence_parallel,
                         recompute=s.scale.recompute)
         self.uses_te = use_te(s.use_transformer_engine)
+        self.attention = attention_backend(s.attention_backend, uses_te=self.uses_te, dtype=s.dtype)
         check_scale_options(s.scale, optimizer=s.optimizer, uses_te=self.uses_te)
         self.layout: Layout = init_distributed(tp_size=s.tp_size, pp_size=s.pp_size, seed=s.seed, backend=s.backend,
                                                timeout_s=s.collective_timeout_s,
@@ -173,7 +177,8 @@ class MegatronPolicy:
         s = self.settings
         stages = [None] if s.scale.virtual_pipeline_size is None else list(range(s.scale.virtual_pipeline_size))
         chunks = [build_gpt_stage(self.spec, config=self.config, make_vocab_size_divisible_by=s.make_vocab_size_divisible_by,
-                                  use_transformer_engine=s.use_transformer_engine, vp_stage=v) for v in stages]
+                                  use_transformer_engine=s.use_transformer_engine, attention=self.attention,
+                                  vp_stage=v) for v in stages]
         load_hf_weights(chunks, s.hf_path, spec=self.spec, layout=self.layout, padded_vocab_size=self.padded_vocab)
         return chunks
 

@@ -4,6 +4,8 @@
     python benchmarks/trainer_throughput.py --arch qwen3_moe                  # 8 experts, top-2 (Qwen3-MoE)
     python benchmarks/trainer_throughput.py --hidden-size 1024 --num-layers 16 --dtype bfloat16 \\
         --batch 128 --mean-len 2000 --max-len 16384                             # one GPU
+    python benchmarks/trainer_throughput.py --device cuda --preset 0.5b      # Qwen2.5-0.5B shape, bf16,
+    python benchmarks/trainer_throughput.py --device cuda --preset 1.5b      #   local vs flash attention
 
 One batch of `--batch` samples: a `--prompt-len`-token prompt and a response whose length is drawn
 from a lognormal (σ = `--sigma`) with mean `--mean-len`, capped at `--max-len`; the longest response is
@@ -26,12 +28,20 @@ With a MoE model (`--arch qwen3_moe`) a fourth way runs beside them:
                distinct experts per layer, as an engine would return them) and every router replays
                them (trainer.moe_routing_replay=rollout), the agreement metric included
 
+With `--attention both` (the presets' default on CUDA) the packed way runs twice, with the local
+spec's per-sample attention (packed_attention.py: `packed`) and with torch's varlen flash attention
+(flash_attention.py: `flash`), the same weights (the core-attention modules are switched between
+rounds). `--preset 0.5b|1.5b`: a Qwen2.5-shaped model (0.5b: 24 × 896, 14 heads / 2 KV, MLP 4864;
+1.5b: 28 × 1536, 12 / 2, 8960; 151936-token vocabulary, random weights), bf16, 16 samples of mean ≈
+1k and max ≈ 8k tokens, a 16k-token micro-batch budget.
+
 tokens/s counts real tokens (prompt + response of every sample) per second of a full optimizer step.
 Last line, one JSON object: tokens_per_s_padded, tokens_per_s_packed, speedup (b ÷ a), ratio_to_bare
 (b ÷ c), padding_frac_padded, padding_frac_packed (share of computed positions that are padding),
-for MoE replay_over_packed (d ÷ b), and
-on CUDA mfu (model FLOPs of the real tokens ÷ `--peak-tflops`: 6·N per token for the N non-embedding
-and output parameters plus 6·layers·hidden·Σ l² for causal attention).
+for MoE replay_over_packed (d ÷ b), and the pinned fields: tokens_per_s (the fastest packed way),
+mfu (its model FLOPs, trainer/flops.py, ÷ the GPU's dense bf16 peak or `--peak-tflops`; null on a CPU),
+peak_mem_gb (CUDA: peak allocated over the run; CPU: peak RSS), ratio_to_bare, and with both
+attentions speedup_flash_vs_local and tokens_per_s_flash.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import json
 import math
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -104,12 +115,26 @@ def bare_step(policy: Any, micro: list[Any]) -> None:
     policy.optimizer.step()
 
 
-def model_flops(policy: Any, lengths: list[int]) -> float:
-    spec = policy.spec
-    inner = [getattr(c, "module", c) for c in policy.chunks]
-    n = sum(p.numel() for c in inner for name, p in c.named_parameters() if "embedding" not in name)
-    tokens = sum(lengths)
-    return 6.0 * n * tokens + 6.0 * spec.num_layers * spec.hidden_size * sum(x * x for x in lengths)
+PRESETS = {  # Qwen2.5 shapes: --arch, layers, hidden, heads, KV heads, MLP width, vocabulary
+    "0.5b": ("qwen2", 24, 896, 14, 2, 4864, 151936),
+    "1.5b": ("qwen2", 28, 1536, 12, 2, 8960, 151936),
+}
+
+
+def set_attention(policy: Any, kind: str) -> None:
+    """Switch every core-attention module of the policy between the per-sample local class and the
+    flash class (same parameters: core attention has none)."""
+    from megatron_flash.trainer.flash_attention import flash_dot_product_attention
+    from megatron_flash.trainer.packed_attention import packed_dot_product_attention
+
+    local, flash = packed_dot_product_attention(), flash_dot_product_attention()
+    for chunk in policy.chunks:
+        for mod in chunk.modules():
+            if isinstance(mod, (local, flash)) and type(mod) in (local, flash):
+                if kind == "flash":
+                    scaling = getattr(mod.config, "apply_query_key_layer_scaling", False)
+                    mod.flash_scale = float(mod.softmax_scale) * (mod.layer_number if scaling else 1)
+                mod.__class__ = flash if kind == "flash" else local
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,16 +156,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=2, help="timed optimizer steps per mode and round")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU, for mfu (H100 bf16 dense)")
+    p.add_argument("--peak-tflops", type=float, default=0.0,
+                   help="per GPU, for mfu (default: the GPU's dense bf16 peak, trainer/flops.PEAK_BF16)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="cuda: fail unless CUDA is there; cpu: hide CUDA")
+    p.add_argument("--preset", default="", choices=["", *PRESETS], help="a Qwen2.5-shaped model and batch (above)")
+    p.add_argument("--attention", default="auto", choices=["auto", "local", "flash", "both"],
+                   help="packed way's core attention (auto: both on CUDA in bf16/fp16, local otherwise)")
     args = p.parse_args(argv)
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if args.preset:
+        arch, layers, hidden, heads, kv, ffn, vocab = PRESETS[args.preset]
+        args.arch, args.num_layers, args.hidden_size, args.dtype = arch, layers, hidden, "bfloat16"
+        args.batch, args.prompt_len, args.mean_len, args.max_len, args.max_ratio = 16, 64, 1000.0, 8192, 8.0
+        args.max_tokens = args.max_tokens or 16384
+        shape = ["--num-heads", str(heads), "--num-kv-heads", str(kv), "--intermediate-size", str(ffn),
+                 "--vocab-size", str(vocab)]
+    else:
+        shape = []
 
     import torch
     import warnings
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device")
+    cuda = torch.cuda.is_available()
+    attention = args.attention
+    if attention == "auto":
+        attention = "both" if cuda and args.dtype != "float32" else "local"
 
     warnings.filterwarnings("ignore")
     from megatron_flash.config.schema import OptimizerConfig
     from megatron_flash.losses import get_loss
     from megatron_flash.trainer.distributed import destroy_distributed
+    from megatron_flash.trainer.flops import peak_flops, train_flops
     from megatron_flash.trainer.loss_adapter import make_loss_fn
     from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
     from megatron_flash.types import compact_routes
@@ -149,14 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     if not model:
         model = os.path.join(tempfile.mkdtemp(prefix="mf_trainer_tp_"), "model")
         subprocess.run([sys.executable, os.path.join(REPO, "tools/make_tiny_model.py"), "--out", model,
-                        "--arch", args.arch, "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers)],
+                        "--arch", args.arch, "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers),
+                        *shape],
                        check=True, stdout=subprocess.DEVNULL)
     lengths = response_lengths(batch=args.batch, mean=args.mean_len, sigma=args.sigma, max_len=args.max_len,
                                max_ratio=args.max_ratio, seed=args.seed)
     totals = [args.prompt_len + n for n in lengths]
     budget = args.max_tokens or max(totals)
     policy = MegatronPolicy(PolicySettings(hf_path=model, dtype=args.dtype, micro_batch_size=args.padded_micro_batch,
-                                           pack_sequences=False, optimizer=OptimizerConfig(lr=1e-7)))
+                                           pack_sequences=False, optimizer=OptimizerConfig(lr=1e-7),
+                                           attention_backend="local" if attention == "local" else "flash"))
     batch = make_batch(lengths, prompt_len=args.prompt_len, vocab=policy.spec.vocab_size, seed=args.seed)
     loss_fn = make_loss_fn(get_loss("tis"))
     real = sum(totals)
@@ -175,10 +227,12 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
 
     def run(mode: str) -> float:
+        if attention != "local":  # the padded way as before packing; bare over the fastest attention
+            set_attention(policy, "flash" if mode in ("flash", "bare") and attention != "local" else "local")
         if mode == "bare":
             step = partial(bare_step, policy, packed_micro)
         else:
-            configure(mode in ("packed", "replay"))
+            configure(mode in ("packed", "flash", "replay"))
             if policy.routing is not None:
                 policy.routing.replay = mode == "replay"
             step = partial(policy.train_step, routed if mode == "replay" else batch, loss_fn)
@@ -191,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         return (time.perf_counter() - t0) / args.steps
 
     seconds: dict[str, list[float]] = {"padded": [], "packed": [], "bare": []}
+    if attention in ("flash", "both"):
+        seconds = {"padded": [], "flash": [], "bare": []} if attention == "flash" else \
+            {"padded": [], "packed": [], "flash": [], "bare": []}
     routed = None
     if policy.spec.moe is not None:
         m = policy.spec.moe
@@ -205,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[round {r}] {mode}: {seconds[mode][-1]:.3f} s/step", file=sys.stderr, flush=True)
     step_s = {m: statistics.mean(v) for m, v in seconds.items()}
     tps = {m: real / s for m, s in step_s.items()}
+    if "packed" not in tps:  # --attention flash: the packed way is the flash one
+        tps["packed"], step_s["packed"] = tps["flash"], step_s["flash"]
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "arch": policy.spec.family, "dtype": args.dtype, "hidden_size": policy.spec.hidden_size, "num_layers": policy.spec.num_layers,
@@ -221,8 +280,18 @@ def main(argv: list[str] | None = None) -> int:
     if "replay" in tps:
         out["tokens_per_s_replay"] = tps["replay"]
         out["replay_over_packed"] = tps["replay"] / tps["packed"]
-    if torch.cuda.is_available() and policy.spec.moe is None:  # the FLOP count below is for dense MLPs
-        out["mfu"] = model_flops(policy, totals) / step_s["packed"] / (args.peak_tflops * 1e12)
+    best = "flash" if "flash" in tps else "packed"
+    peak = args.peak_tflops * 1e12 or peak_flops(out["device"] if cuda else None)
+    out["attention"] = attention
+    out["tokens_per_s"] = tps[best]
+    out["ratio_to_bare"] = tps[best] / tps["bare"]
+    out["model_tflops_per_gpu"] = train_flops(policy.spec, totals) / step_s[best] / 1e12
+    out["mfu"] = out["model_tflops_per_gpu"] * 1e12 / peak if peak else None
+    out["peak_mem_gb"] = (torch.cuda.max_memory_allocated() if cuda else
+                          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1e3) / 1e9
+    if "flash" in tps:
+        out["tokens_per_s_flash"] = tps["flash"]
+        out["speedup_flash_vs_local"] = tps["flash"] / tps["packed"] if "packed" in tps else None
     destroy_distributed()
     print(json.dumps(out))
     return 0

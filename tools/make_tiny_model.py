@@ -83,16 +83,19 @@ def build_tokenizer(chat: bool = False) -> Any:
 
 
 def hf_config(*, arch: str, vocab_size: int, tie: bool, num_layers: int = 2, hidden_size: int = 64,
-              num_experts: int = 8, top_k: int = 2) -> dict[str, Any]:
-    if hidden_size % 16:
-        raise ValueError(f"--hidden-size must be a multiple of 16 (4 heads of a multiple of 4), got {hidden_size}")
+              num_experts: int = 8, top_k: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+              intermediate_size: int = 0) -> dict[str, Any]:
+    if hidden_size % (4 * num_heads) or num_heads % num_kv_heads:
+        raise ValueError(f"--hidden-size must be a multiple of 4 × --num-heads (heads of a multiple of 4 dims) and "
+                         f"--num-heads a multiple of --num-kv-heads, got {hidden_size}, {num_heads}, {num_kv_heads}")
+    head_dim = hidden_size // num_heads
     common = {
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
-        "intermediate_size": 2 * hidden_size,
+        "intermediate_size": intermediate_size or 2 * hidden_size,
         "num_hidden_layers": num_layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
         "max_position_embeddings": 256,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
@@ -111,12 +114,12 @@ def hf_config(*, arch: str, vocab_size: int, tie: bool, num_layers: int = 2, hid
         return {**common, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
     if arch == "qwen3":
         return {**common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-                "head_dim": hidden_size // 4, "attention_bias": False}
+                "head_dim": head_dim, "attention_bias": False}
     # Every layer sparse (as Qwen3-30B-A3B): 8 experts, top-2 by default, probabilities renormalised over the top-k.
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"--top-k must be in [1, --num-experts={num_experts}], got {top_k}")
     return {**common, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-            "head_dim": hidden_size // 4, "attention_bias": False, "num_experts": num_experts,
+            "head_dim": head_dim, "attention_bias": False, "num_experts": num_experts,
             "num_experts_per_tok": top_k,
             "moe_intermediate_size": hidden_size, "norm_topk_prob": True, "decoder_sparse_step": 1,
             "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "output_router_logits": False}
@@ -124,7 +127,7 @@ def hf_config(*, arch: str, vocab_size: int, tie: bool, num_layers: int = 2, hid
 
 def make_model(*, out: str, arch: str, seed: int, tie: bool | None, num_layers: int = 2,
                hidden_size: int = 64, num_experts: int = 8, top_k: int = 2, chat: bool = False,
-               vocab_size: int = 0) -> None:
+               vocab_size: int = 0, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 0) -> None:
     import torch
     import transformers
 
@@ -136,7 +139,8 @@ def make_model(*, out: str, arch: str, seed: int, tie: bool | None, num_layers: 
         raise ValueError(f"--vocab-size {vocab_size} is below the tokenizer's {tokenizer.get_vocab_size()} tokens")
     vocab_size = max(vocab_size, tokenizer.get_vocab_size())
     config_dict = hf_config(arch=arch, vocab_size=vocab_size, tie=tie, num_layers=num_layers, hidden_size=hidden_size,
-                            num_experts=num_experts, top_k=top_k)
+                            num_experts=num_experts, top_k=top_k, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                            intermediate_size=intermediate_size)
     eos = "<|im_end|>" if chat else "</s>"
     config_dict["eos_token_id"] = tokenizer.token_to_id(eos)
 
@@ -182,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", default="llama", choices=ARCHS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--hidden-size", type=int, default=64, help="4 attention heads, 2 KV heads, MLP 2x hidden")
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-heads", type=int, default=4, help="attention heads (head dim = hidden / heads)")
+    parser.add_argument("--num-kv-heads", type=int, default=2, help="key/value heads (GQA groups)")
+    parser.add_argument("--intermediate-size", type=int, default=0, help="MLP width (default: 2 × hidden)")
     parser.add_argument("--num-experts", type=int, default=8, help="qwen3_moe: experts per layer")
     parser.add_argument("--top-k", type=int, default=2, help="qwen3_moe: experts per token")
     parser.add_argument("--chat", action="store_true", help="the chat/tool-calling variant (see above)")
@@ -195,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--num-experts and --top-k apply to --arch qwen3_moe only")
     make_model(out=args.out, arch=args.arch, seed=args.seed, tie=args.tie, num_layers=args.num_layers,
                hidden_size=args.hidden_size, num_experts=args.num_experts, top_k=args.top_k, chat=args.chat,
-               vocab_size=args.vocab_size)
+               vocab_size=args.vocab_size, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+               intermediate_size=args.intermediate_size)
     print(json.dumps({"out": os.path.abspath(args.out), "arch": args.arch, "seed": args.seed}))
     return 0
 

@@ -246,6 +246,9 @@ def build_gpt_stage(spec: HFModelSpec, *, config: Any, make_vocab_size_divisible
     )
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    from megatron_flash.trainer import rope
+
+    rope.install()  # packed rows' RoPE without a host sync per sample (rope.py)
     experts = spec.moe.num_experts if spec.moe is not None else None
     if experts:
         from megatron.core.transformer.moe import moe_utils

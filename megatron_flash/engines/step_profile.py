@@ -11,7 +11,9 @@ Why: on a GPU the decode step of this engine is flat in the batch size but far a
 `generate` step, so a fixed per-step cost lives somewhere in this loop; these sums say which phase
 holds it (benchmarks/engine_step_cost.py prints them per step). Idle passes (no request) are not
 counted. The hooks wrap two methods of transformers' manager (private API, checked at install: a
-transformers without them serves as before, with `step_profile.installed` false).
+transformers without them serves as before, with `step_profile.installed` false). A pass's step,
+sampler and loop times become visible together when the pass ends, so a snapshot never shows a step
+without its pass (a reply leaves from inside the last step, before its pass is over).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class StepProfile:
         self.loop_s = 0.0  # whole passes that ran a step
         self.step_s = 0.0  # _generation_step
         self.sampler_s = 0.0  # our logits processor, inside the step
+        self._pending = [0, 0.0, 0.0]  # this pass's steps, step seconds, sampler seconds (not yet visible)
 
     def install(self, manager: Any) -> None:
         body = getattr(manager, "_generation_loop_body", None)
@@ -42,24 +45,32 @@ class StepProfile:
                 return step(*args, **kwargs)
             finally:
                 with self._lock:
-                    self.steps += 1
-                    self.step_s += time.perf_counter() - t0
+                    self._pending[0] += 1
+                    self._pending[1] += time.perf_counter() - t0
 
         def timed_body(*args: Any, **kwargs: Any) -> Any:
-            t0, before = time.perf_counter(), self.steps
+            t0 = time.perf_counter()
             try:
                 return body(*args, **kwargs)
             finally:
-                if self.steps != before:
-                    with self._lock:
+                with self._lock:
+                    steps, step_s, sampler_s = self._pending
+                    if steps:
+                        self.steps += steps
+                        self.step_s += step_s
+                        self.sampler_s += sampler_s
                         self.loop_s += time.perf_counter() - t0
+                    self._pending = [0, 0.0, 0.0]
 
         manager._generation_step, manager._generation_loop_body = timed_step, timed_body
         self.installed = True
 
     def add_sampler(self, seconds: float) -> None:
         with self._lock:
-            self.sampler_s += seconds
+            if self.installed:
+                self._pending[2] += seconds
+            else:
+                self.sampler_s += seconds
 
     def snapshot(self) -> dict:
         with self._lock:

@@ -93,7 +93,7 @@ def quickstart_warm_model(*, seed: int = 0, name: str = "bench") -> str:
 
 
 class _LongTailFormat:
-    """A warm-up task for launch/quickstart_cpu.py's `warm_up`: countdown prompts, answers of random
+    """A warm-up task for launch/quickstart_cpu.py's format-only samples: countdown prompts, answers of random
     letters whose length is long-tailed and independent of the prompt."""
 
     def __init__(self, max_len: int) -> None:
@@ -124,7 +124,8 @@ def _warm_main(argv: Sequence[str]) -> int:
     import transformers
 
     torch.set_num_threads(1)
-    import quickstart_cpu  # its format-only warm-up, reused as is
+    import quickstart_cpu  # its format-only samples and export check, reused as is
+    from quickstart_common import Quickstart
 
     tiny = os.path.join(args.out, "tiny_model")
     subprocess.run([sys.executable, os.path.join(REPO, "tools/make_tiny_model.py"), "--out", tiny, "--seed",
@@ -137,8 +138,12 @@ def _warm_main(argv: Sequence[str]) -> int:
         from megatron_flash.rewards.synthetic import get_task
 
         task = get_task(args.task)
-    summary = quickstart_cpu.warm_up(argparse.Namespace(out=args.out, seed=args.seed, sft_steps=args.sft_steps),
-                                     tokenizer, task)
+    rng = random.Random(args.seed)
+    warm = Quickstart("warm-up", out=args.out).warm_up(
+        seed=args.seed, num_steps=args.sft_steps, batch_size=64, pad_id=tokenizer.pad_token_id,
+        make_samples=lambda: quickstart_cpu.format_only_samples(task, tokenizer, rng, 64),
+        loss_label="nll/token", log_every=50)
+    summary = {**warm.nll(), "export_max_abs_logit_diff": quickstart_cpu.export_parity(warm.policy, warm.path)}
     print(json.dumps(summary))
     return 0
 

@@ -29,7 +29,8 @@
 #   contract_broadcast (110) its broadcast weight-sync case alone
 #   tier          the whole tests/gpu tier (about 10 min on an H100: best run on its own)
 #   trainer       (not run yet; ≈ 7 min planned) flash vs local attention tests (tests/gpu/test_gpu_attention.py),
-#                 bf16 parity with transformers (auto = flash there), then benchmarks/trainer_throughput.py
+#                 bf16 parity with transformers (auto = flash there), benchmarks/logprob_memory.py (16k × 152k),
+#                 then benchmarks/trainer_throughput.py
 #                 --device cuda --preset 0.5b and 1.5b (local vs flash vs bare, mfu, peak memory)
 # docs/benchmarks.md says where each number goes.
 set -u
@@ -122,6 +123,7 @@ track() {  # the named stages, one after another
             trainer)  # flash attention, MFU, logprob memory: run alone (timings)
                 stage attention_test 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_attention.py \
                     "tests/gpu/test_gpu_parity.py::test_parity_one_gpu" -k "bfloat16 or flash or packed or padded"
+                stage logprob_memory 60 python3 benchmarks/logprob_memory.py --device cuda
                 stage trainer_05b 150 python3 benchmarks/trainer_throughput.py --device cuda --preset 0.5b --rounds 2
                 stage trainer_15b 200 python3 benchmarks/trainer_throughput.py --device cuda --preset 1.5b --rounds 1 ;;
             *)
@@ -158,5 +160,5 @@ run() {  # run STAGES... [-- STAGES...]: the second list runs beside the first (
 case ${1:-} in
     download) download ;;
     run) shift; run "$@" ;;
-    *) sed -n '2,34p' "$0"; exit 2 ;;
+    *) sed -n '2,35p' "$0"; exit 2 ;;
 esac

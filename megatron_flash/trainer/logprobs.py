@@ -151,6 +151,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if any_padded:
                 z = z.masked_fill(padded, float("-inf"))
             mc = z.max(dim=-1).values
+            # A slice that is all vocabulary padding (TP ranks past the real vocabulary) has max −inf:
+            # shift it by 0 instead (its sums are 0 either way; −inf − (−inf) would be nan).
+            mc = torch.where(torch.isfinite(mc), mc, torch.zeros_like(mc))
             z -= mc.unsqueeze(-1)  # z is now s = z − m (this rank's max, rescaled below)
             m[i, lo:hi] = mc
             tgt[i, lo:hi] = z.gather(-1, local[i, lo:hi].unsqueeze(-1)).squeeze(-1)

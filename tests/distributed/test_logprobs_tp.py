@@ -1,6 +1,7 @@
 """Chunked vocabulary-parallel logprobs and entropy at TP = 2 (two gloo ranks under torchrun, each
 holding half of a padded vocabulary) against the whole-tensor reference at TP = 2 and against the
-reference on the full logits at TP = 1: values and each rank's gradient slice within 1e-6 (fp32).
+reference on the full logits at TP = 1: values and each rank's gradient slice within 1e-6 (fp32), for
+a vocabulary that ends inside rank 1's half and one that ends inside rank 0's (rank 1 all padding).
 
 The gradient through logprobs and entropy together is compared with TP = 1 only: the reference's
 entropy gradient is wrong at TP > 1 (docs/trainer.md), its logprob gradient is compared at TP = 2."""
@@ -21,23 +22,37 @@ SCRIPT = os.path.relpath(__file__, os.path.dirname(os.path.dirname(os.path.dirna
 def test_chunked_logprobs_at_tp2_match_the_reference_and_tp1() -> None:
     proc = run_tool([SCRIPT], nproc=2, timeout=300)
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    assert len(lines) == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert len(lines) == 4, proc.stdout[-2000:] + proc.stderr[-3000:]
     for out in lines:
         assert out["vs_reference_tp2"] <= 1e-6 and out["vs_tp1"] <= 1e-6, out
         assert out["grad_vs_reference_tp2"] <= 1e-6 and out["grad_vs_tp1"] <= 1e-6, out
 
 
 def _main() -> int:
-    import torch
     import torch.distributed as dist
-
-    from megatron_flash.trainer.logprobs import vocab_parallel_logprobs, vocab_parallel_logprobs_reference
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     group = dist.new_group([0, 1], backend="gloo")
+    lines = [_compare(rank, group, vocab) for vocab in (29, 13)]  # 13: rank 1's half is all padding
+    every = [None, None]
+    dist.all_gather_object(every, lines, group=group)
+    if rank == 0:  # one line per rank and vocabulary: two ranks printing at once can interleave
+        for out in (o for rank_lines in every for o in rank_lines):
+            print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+def _compare(rank: int, group, vocab: int) -> dict:
+    import torch
+
+    import torch.distributed as dist
+
+    from megatron_flash.trainer.logprobs import vocab_parallel_logprobs, vocab_parallel_logprobs_reference
+
     g = torch.Generator().manual_seed(7)
-    vocab, padded = 29, 32  # the last 3 columns of rank 1's half are padding
+    padded = 32
     full = torch.randn(2, 7, padded, generator=g) * 3
     targets = torch.randint(0, vocab, (2, 6), generator=g)
     w_lp, w_ent = torch.randn(2, 6, generator=g), torch.randn(2, 6, generator=g)
@@ -56,17 +71,10 @@ def _main() -> int:
     ref2, g_ref2 = run(vocab_parallel_logprobs_reference, mine, entropy_weight=0.0, **tp)
     ref1, g_ref1 = run(vocab_parallel_logprobs_reference, full)
     g_ref1 = g_ref1[..., rank * half:(rank + 1) * half]
-    mine_out = {"rank": rank, "vs_reference_tp2": float((chunked - ref2).abs().max()),
-                "vs_tp1": float((chunked - ref1).abs().max()),
-                "grad_vs_reference_tp2": float((g_chunked_lp - g_ref2).abs().max()),
-                "grad_vs_tp1": float((g_chunked - g_ref1).abs().max())}
-    every = [None, None]
-    dist.all_gather_object(every, mine_out, group=group)
-    if rank == 0:  # one line: two ranks printing at once can interleave
-        for out in every:
-            print(json.dumps(out), flush=True)
-    dist.destroy_process_group()
-    return 0
+    return {"rank": rank, "vocab": vocab, "vs_reference_tp2": float((chunked - ref2).abs().max()),
+            "vs_tp1": float((chunked - ref1).abs().max()),
+            "grad_vs_reference_tp2": float((g_chunked_lp - g_ref2).abs().max()),
+            "grad_vs_tp1": float((g_chunked - g_ref1).abs().max())}
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ setup(
         "math-verify>=0.7",
         "tqdm>=4.66",
         "aiohttp>=3.9",  # engine client and proxy
-        "fastapi>=0.110",  # CPU engine server
+        "fastapi>=0.110",  # local engine server
         "uvicorn>=0.29",
         "psutil>=5.9",  # Megatron's distributed-checkpoint writer needs it (tools/weight_sync/convert.py)
     ],

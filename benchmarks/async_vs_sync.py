@@ -11,7 +11,7 @@ engine server. Same model, data and response-length distribution in both:
            response; benchmarks/benchlib.py), so a batch's slowest response is ~4× its mean;
   policy   moves only slightly (lr --lr, default 1e-6) so both modes generate the same length
            distribution all run long (learning is benchmarks/learning.py's subject);
-  engine   the quickstart's CPU engine server (64 KV blocks: ~21 requests run at once);
+  engine   the quickstart's local engine server (64 KV blocks: ~21 requests run at once);
   batch    --prompts × --n samples per step, one micro-batch; ppo loss.
 
 The model size is the knob that balances the two stages: with α = 0 a step is rollout + train + sync

@@ -8,7 +8,7 @@
   per sample (two responses to one prompt differ in length as much as two responses to two prompts).
   Cached by its arguments under runs/bench_models/.
 * **run_pipeline**: one run of the product (`launch/pretrain_async_rl.py`, its own process, which
-  starts its own CPU engine servers) with key=value overrides; returns the rows of metrics.jsonl.
+  starts its own local engine servers) with key=value overrides; returns the rows of metrics.jsonl.
 * **graded_reward** / **write_graded_data**: a verifier stand-in with a per-prompt pass rate (a data
   column), so a known share of groups has all-equal rewards and a dynamic filter drops them.
 * **CpuMonitor**: the cores the trainer process (main thread vs the rest, i.e. the rollout loop), its

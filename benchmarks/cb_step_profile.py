@@ -3,7 +3,7 @@
     python benchmarks/cb_step_profile.py --model-path M --device cuda --k 1,8,64 [--graphs]
 
 transformers' CB alone (no engine, no HTTP, its own greedy sampling), configured as the local engine
-configures it (engines/cpu_engine.py: paged cache of --page-size blocks, no block sharing, no async
+configures it (engines/local_engine.py: paged cache of --page-size blocks, no block sharing, no async
 batching, no CUDA graphs) or, with `--graphs`, also with CUDA graphs and asynchronous batching on.
 For each k: k requests of a 4-token prompt decode exactly L tokens (no eos), L = --short and --long;
 step(k) = (T(long) − T(short)) / (long − short), the median of --repeats. Then one run at the largest
@@ -169,7 +169,7 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_flash.engines.cpu_engine import engine_device, engine_dtype
+    from megatron_flash.engines.local_engine import engine_device, engine_dtype
 
     device = engine_device(args.device)
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=engine_dtype(args.dtype)).to(device).eval()

@@ -1,8 +1,8 @@
-"""Continuous batching vs static batches on the CPU engine server, long-tail response lengths.
+"""Continuous batching vs static batches on the local engine server, long-tail response lengths.
 
     python benchmarks/continuous_batching.py [--requests 384] [--max-len 128] [--batch 16] [--seed 0]
 
-One CPU engine server (tiny model, 1 thread) serves the same requests twice:
+One local engine server (tiny model, 1 thread) serves the same requests twice:
   static      requests go in batches of --batch; the next batch starts only when the slowest request
               of the current one has finished (what a step-synchronous rollout does);
   continuous  all requests are submitted with at most --batch in flight at once: a new request
@@ -67,7 +67,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-path", default="")
     p.add_argument("--num-blocks", type=int, default=256,
-                   help="CPU server KV blocks of 16 tokens: enough that --batch requests fit at once")
+                   help="local engine server KV blocks of 16 tokens: enough that --batch requests fit at once")
     args = p.parse_args()
     from megatron_flash.engines.launcher import EngineLauncher
 
@@ -79,7 +79,7 @@ def main() -> int:
         lens = lengths(args.requests, args.max_len, args.seed)
         rng = random.Random(args.seed + 1)
         prompts = [[rng.randrange(4, 40) for _ in range(5)] for _ in range(args.requests)]
-        launcher = EngineLauncher(backend="cpu", model_path=model, num_engines=1, base_port=free_ports(1),
+        launcher = EngineLauncher(backend="local", model_path=model, num_engines=1, base_port=free_ports(1),
                                   run_dir=os.path.join(tmp, "run"), startup_timeout_s=180,
                                   server_args={"num-blocks": args.num_blocks, "max-batch-tokens": 512})
         with launcher:

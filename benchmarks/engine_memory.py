@@ -1,9 +1,9 @@
-"""Engine operations on the CPU engine server: memory given back by /release_memory_occupation
+"""Engine operations on the local engine server: memory given back by /release_memory_occupation
 (colocated mode) and the time a killed engine takes to be serving again (launcher restart).
 
     python benchmarks/engine_memory.py [--hidden-size 512] [--num-layers 8] [--restarts 3]
 
-A model of the given size is built locally (tools/make_tiny_model.py), one CPU engine server is
+A model of the given size is built locally (tools/make_tiny_model.py), one local engine server is
 launched by EngineLauncher with a supervisor; then: server RSS and served weight bytes before a
 release of every tag, after it, after resuming the weights and after resuming the KV cache (seconds
 of each call), and `--restarts` times kill -9 → healthy again (seconds, from the launcher's record).
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run([sys.executable, os.path.join(REPO, "tools/make_tiny_model.py"), "--out", model,
                     "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers)],
                    check=True, env=env(), stdout=subprocess.DEVNULL)
-    launcher = EngineLauncher(backend="cpu", model_path=model, num_engines=1, base_port=free_ports(1),
+    launcher = EngineLauncher(backend="local", model_path=model, num_engines=1, base_port=free_ports(1),
                               run_dir=work, startup_timeout_s=300, env={"OMP_NUM_THREADS": "1"})
     out: dict = {"hidden_size": args.hidden_size, "num_layers": args.num_layers, "memory": {}, "restart_s": []}
     with launcher:

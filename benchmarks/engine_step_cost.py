@@ -1,8 +1,8 @@
-"""Decode-step cost and per-request cost of the CPU engine server, the planner's measured inputs.
+"""Decode-step cost and per-request cost of the local engine server, the planner's measured inputs.
 
     OMP_NUM_THREADS=1 python benchmarks/engine_step_cost.py [--num-layers 2] [--hidden-size 64] [--k 1,2,4,8,16,32,64]
 
-One CPU engine server (1 thread, a model of the given size built by tools/make_tiny_model.py, KV for
+One local engine server (1 thread, a model of the given size built by tools/make_tiny_model.py, KV for
 64 × 128 tokens). For each k: k concurrent requests of a 4-token prompt with exactly L new tokens
 (ignore_eos), L = --short and --long, each timed --repeats times (median). Two lengths separate the
 costs: step(k) = (T(k, long) − T(k, short)) / (long − short) is one decode step with k sequences;
@@ -24,14 +24,14 @@ machine inflates less than wall time.
 
 `--loop-prompt-len 2,100` runs each closed loop with prompts of those lengths (default 2): the difference in
 per-request cost over the difference in length is the engine's seconds per prefilled token, what a multi-turn
-episode pays again each turn on an engine without a prefix cache (the CPU server). `--max-batch-tokens`
+episode pays again each turn on an engine without a prefix cache (the local engine server). `--max-batch-tokens`
 sets the server's tokens per forward step (env_async.py uses 512).
 
 `--loop-n 1,8` also runs each closed loop with requests of one prompt and n = 8 sampled sequences
 (SGLang's `sampling_params.n`, how the rollout sends a group without prompt replication), the same
 number of sequences in all: k workers then keep k · n sequences running, and `loop_per_request_s` is
 per HTTP request. Side by side with n = 1 this splits the engine-exclusive cost into a per-request and
-a per-sequence part (the CPU server admits and prefills the n members separately).
+a per-sequence part (the local engine server admits and prefills the n members separately).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loop-prompt-len", default="2",
                    help="closed-loop prompt lengths, e.g. 2,100: the difference in per-request cost is prefill")
     p.add_argument("--max-batch-tokens", type=int, default=0,
-                   help="CPU server tokens per forward step (0: max(256, 4 x the most running))")
+                   help="local engine server tokens per forward step (0: max(256, 4 x the most running))")
     p.add_argument("--device", default="cpu", help="local engine device: cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="", help="local engine dtype (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--model-path", default="", help="serve this HF model instead of a tiny one")
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--loop-prompt-len {args.loop_prompt_len!r}: lengths must be >= 1")
     most = max(ks + [k * max(loop_ns) for k in loop_ks])
     blocks = most * -(-(max(4, *loop_ps) + args.long) // 16) + 16
-    launcher = EngineLauncher(backend="cpu", model_path=model, num_engines=1, base_port=free_ports(1), run_dir=work,
+    launcher = EngineLauncher(backend="local", model_path=model, num_engines=1, base_port=free_ports(1), run_dir=work,
                               server_args={"num-blocks": blocks,
                                            "max-batch-tokens": args.max_batch_tokens or max(256, most * 4),
                                            "device": args.device,

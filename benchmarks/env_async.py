@@ -4,7 +4,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/env_async.py --mu-ms 20,100,300,1000 --pool all --repeats 3
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/env_async.py --mu-ms 300 --redundancy 0   # one point, ~2 min
 
-One CPU engine server (`python -m megatron_flash.engines.cpu_server`, the random tiny Llama of
+One local engine server (`python -m megatron_flash.engines.local_server`, the random tiny Llama of
 tools/make_tiny_model.py, 1 thread) behind one LLMProxy. The environment is FixedTurnsEnv below: every
 episode lasts exactly --turns steps whatever the model says, and every model turn is exactly
 --tokens-per-turn tokens (ignore_eos), so all modes do identical work: the same episodes, the same
@@ -344,8 +344,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--slow-factor", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0, help="first env seed (group g uses seed + g)")
     p.add_argument("--model-path", default="", help="HF model dir (default: make the tiny model in a temp dir)")
-    p.add_argument("--num-blocks", type=int, default=1024, help="CPU server KV blocks of 16 tokens")
-    p.add_argument("--max-batch-tokens", type=int, default=512, help="CPU server tokens per forward step")
+    p.add_argument("--num-blocks", type=int, default=1024, help="local engine server KV blocks of 16 tokens")
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="local engine server tokens per forward step")
     args = p.parse_args(argv)
     args.mus = [float(m) for m in args.mu_ms.split(",") if m.strip()]
     for name in ("groups", "group_size", "concurrent_groups", "turns", "tokens_per_turn", "redundancy_turns",
@@ -374,7 +374,7 @@ def main() -> int:
             subprocess.run([sys.executable, os.path.join(REPO, "tools/make_tiny_model.py"), "--out", model],
                            check=True, capture_output=True)
         tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-        launcher = EngineLauncher(backend="cpu", model_path=model, num_engines=1, base_port=free_ports(1),
+        launcher = EngineLauncher(backend="local", model_path=model, num_engines=1, base_port=free_ports(1),
                                   run_dir=os.path.join(tmp, "run"), startup_timeout_s=180,
                                   server_args={"num-blocks": args.num_blocks,
                                                "max-batch-tokens": args.max_batch_tokens})

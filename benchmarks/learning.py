@@ -15,7 +15,7 @@ error and the paired difference per loss: one run is noise here (seed 0 alone sp
 see a 0.1 effect with ≥ 12 runs per code. --this REV puts another commit in the checkout's place.
 
 Task: the quickstart (configs/quickstart_cpu.yaml): sort4 from the format-only warm model (reward
-starts at chance, ≈ 1/24), 16 prompts × 8 samples per step, Adam lr 1e-3, one CPU engine server.
+starts at chance, ≈ 1/24), 16 prompts × 8 samples per step, Adam lr 1e-3, one local engine server.
 Every run trains --steps steps on --steps × 128 samples; runs differ only in α and the loss:
 
   sync   α = 0, ppo (on-policy: π_prox = μ up to engine/trainer numerics)

@@ -4,7 +4,7 @@ with SGLang's `n` on one engine.
     OMP_NUM_THREADS=1 python benchmarks/prompt_replication.py [--steps 10] [--rounds 2] [--engines 2] [--max-inflight 8]
 
 Both modes run the product's rollout (`launch/pretrain_async_rl.py trainer.mode=rollout_only`, no
-trainer) on the same --engines CPU engine servers (same flags), same model and data; only
+trainer) on the same --engines local engine servers (same flags), same model and data; only
 `rollout.prompt_replication` differs:
 
   on    each response is its own request; the proxy sends it to the least-loaded engine the moment
@@ -18,7 +18,7 @@ independently per response, so a group's slowest response is ~3× its mean); --p
 per step; α = --alpha (default 2: the rollout side runs ahead, so steps measure generation
 throughput, not a per-step barrier; --alpha 0 measures a synchronous step's rollout). The first --skip
 steps are left out; modes interleave over --rounds. Default --max-inflight 8 = one group per engine
-with replication off: a decode step of the CPU engine costs about the same for 1 to ~8 sequences,
+with replication off: a decode step of the local engine costs about the same for 1 to ~8 sequences,
 as a GPU's does up to large batches, so a slot held by a finished response wastes about what it
 wastes on a GPU (docs/benchmarks.md has --max-inflight 16 too, where per-request overhead wins).
 

@@ -1,4 +1,4 @@
-"""Load: N concurrent requests through the proxy against CPU engine servers.
+"""Load: N concurrent requests through the proxy against local engine servers.
 
     python benchmarks/proxy_load.py [--requests 1000] [--engines 2] [--max-new-tokens 8] [--inflight 64]
 
@@ -72,7 +72,7 @@ def main() -> int:
         subprocess.run([sys.executable, os.path.join(REPO, "tools/make_tiny_model.py"), "--out", model],
                        check=True, capture_output=True)
         base = free_ports(args.engines)
-        launcher = EngineLauncher(backend="cpu", model_path=model, num_engines=args.engines, base_port=base,
+        launcher = EngineLauncher(backend="local", model_path=model, num_engines=args.engines, base_port=base,
                                   run_dir=os.path.join(tmp, "run"), startup_timeout_s=180,
                                   server_args={"num-blocks": 256, "max-batch-tokens": 512})
         with launcher:

@@ -4,7 +4,7 @@
 
 Every mode fills the same steps: --prompts groups of --n responses per step that pass the filter
 (nonzero_std: a group whose rewards are all equal carries no signal and is dropped), on --engines
-CPU engine servers with the same flags, from the same model and prompt distribution:
+Local engine servers with the same flags, from the same model and prompt distribution:
 
   batch            written here with EngineClient: a step's missing groups are submitted together
                    (each response its own request, spread evenly over the engines) and the step
@@ -20,10 +20,10 @@ CPU engine servers with the same flags, from the same model and prompt distribut
 
 Engines: each runs at most --max-running requests at once (its KV cache holds that many worst cases;
 the product's engines.max_inflight_per_engine is the same); the batch mode queues the rest inside
-the engine. Default 4: a decode step of the CPU engine costs about the same for 1 to 4 sequences
+the engine. Default 4: a decode step of the local engine costs about the same for 1 to 4 sequences
 (measured 3.2 ms / 4.0 ms; 7.2 ms for 16, 18 ms for 64), as a GPU's does up to large batches, so a
 slot left empty at a round's tail wastes about what it wastes on a GPU. With many more running
-requests the CPU engine's cost is per sequence and tails cost little (see docs/benchmarks.md). Workload: the long-tail model of benchmarks/benchlib.py
+requests the local engine's cost is per sequence and tails cost little (see docs/benchmarks.md). Workload: the long-tail model of benchmarks/benchlib.py
 (response lengths P(k) ∝ 1/k, 1 ≤ k ≤ --max-len, per response); rewards from a synthetic verifier
 with a per-prompt pass rate drawn from --pass-rates (a data column that reaches the reward as
 `meta`): prompts that always or never pass give all-equal groups, ≈ 45% of groups with the default
@@ -169,7 +169,7 @@ def main() -> int:
     benchlib.write_graded_data(data, rows=4096, pass_rates=[float(x) for x in args.pass_rates.split(",")],
                                seed=args.seed)
     max_new = args.max_len + 8
-    # The CPU engine admits a request once its worst case (prompt of 2 + max_new tokens, whole 16-token
+    # The local engine admits a request once its worst case (prompt of 2 + max_new tokens, whole 16-token
     # pages) fits its KV cache: size the cache so that --max-running requests run at once.
     server_args = {"num_blocks": args.max_running * -(-(2 + max_new) // 16), "max_batch_tokens": 512,
                    **benchlib.engine_device_server_args(args)}
@@ -201,7 +201,7 @@ def main() -> int:
             else:
                 from megatron_flash.engines.launcher import EngineLauncher
 
-                launcher = EngineLauncher(backend="cpu", model_path=model, num_engines=args.engines,
+                launcher = EngineLauncher(backend="local", model_path=model, num_engines=args.engines,
                                           base_port=benchlib.free_ports(args.engines),
                                           run_dir=os.path.join(out, f"batch_r{r}"), startup_timeout_s=300,
                                           server_args=server_args, env={"OMP_NUM_THREADS": "1"})

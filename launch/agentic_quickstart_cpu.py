@@ -14,7 +14,7 @@ Stages (each prints progress; the last line is one JSON summary):
                                   at the random-walk success rate. Exported to {out}/warm_model.
   3. agentic RL                → `launch/pretrain_async_rl.py --config configs/agentic_frozenlake_cpu.yaml
                                   model.hf_path={out}/warm_model` (the product's entry point, as a
-                                  subprocess): env-level async episodes against a CPU engine server,
+                                  subprocess): env-level async episodes against a local engine server,
                                   α = 2, weights pushed after every step; metrics in {out}/rl/metrics.jsonl
   4. summary                   → success rate and reward over the first 5 vs the last 5 steps, next to
                                   the exact success rate of a uniformly random walk on the same maps.

@@ -4,7 +4,7 @@ Every rank runs this script. The config is schema defaults ← --config YAML fil
 overrides; it is validated before any process group, torch or Megatron import, so a typo costs
 a second, not a cluster allocation.
 
-1 CPU process (tiny model, built-in CPU engine; gloo):
+1 CPU process (tiny model, built-in local engine; gloo):
 
     python launch/pretrain_async_rl.py --config configs/quickstart_cpu.yaml
 

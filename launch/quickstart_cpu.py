@@ -13,7 +13,7 @@ Stages (each prints progress; the last line is one JSON summary):
   3. export → {out}/warm_model  → Megatron → HF safetensors; transformers reloads it and the logits
                                   are compared with Megatron's (parity check)
   4. asynchronous RL            → `launch/pretrain_async_rl.py --config configs/quickstart_cpu.yaml`
-                                  (the product's entry point, as a subprocess): a CPU engine server
+                                  (the product's entry point, as a subprocess): a local engine server
                                   generates over HTTP while Megatron trains, α = 2, weights pushed to
                                   the engine after every step; metrics in {out}/rl/metrics.jsonl
 """

@@ -65,14 +65,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a("--per-request-s", type=float, default=0.0,
       help="seconds each request adds to its own engine time (processor-shared: holds its slot)")
     a("--request-engine-s", type=float, default=0.0,
-      help="engine-exclusive seconds per request (adds up over concurrent requests; CPU engine: HTTP, "
+      help="engine-exclusive seconds per request (adds up over concurrent requests; local engine: HTTP, "
            "admission, prefill under one GIL; benchmarks/engine_step_cost.py --loop-k measures it)")
     a("--client-per-request-s", type=float, default=0.0, help="rollout client seconds per request (serial)")
     a("--turn-tokens", type=int, default=0, help="agentic: tokens each env turn appends (observation + template)")
     a("--prefill-token-engine-s", type=float, default=0.0,
       help="engine-exclusive seconds per prefilled token (benchmarks/engine_step_cost.py --loop-prompt-len 2,100)")
     a("--no-prefix-cache", action="store_true",
-      help="engines re-prefill the whole conversation each turn (the CPU server; SGLang caches prefixes)")
+      help="engines re-prefill the whole conversation each turn (the local engine server; SGLang caches prefixes)")
     a("--mfu", type=float, default=0.4)
     a("--max-running", type=int, default=256)
     a("--sync-overhead-s", type=float, default=1.0)

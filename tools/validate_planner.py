@@ -9,7 +9,7 @@ group size, engines, running requests per engine, α, redundancy, replication on
 keep rate, env latency and turns) and measured costs, and predicts seconds per step (env async: the
 makespan); the benchmarks' outputs are never fitted. Three cost sets:
 
-  alone        nothing fitted: the CPU engine's decode step vs running sequences measured alone
+  alone        nothing fitted: the local engine's decode step vs running sequences measured alone
                (benchmarks/engine_step_cost.py, 2026-11-22, quiet box), its cost per request measured in
                a closed loop (requests arriving one at a time, as a rollout sends them; 1.5 ms), and the
                rollout client's CPU per request (1.2 ms, /proc, async_vs_sync) as a serial client cost.
@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_flash import planner  # noqa: E402
 
 # ---- measured inputs ----------------------------------------------------------------------------------
-# CPU engine server, 1 thread, quiet 2-core box (2026-11-22): seconds of one decode step vs sequences running,
+# local engine server, 1 thread, quiet 2-core box (2026-11-22): seconds of one decode step vs sequences running,
 # all k requests sent together. `OMP_NUM_THREADS=1 python benchmarks/engine_step_cost.py` (2 layers × 64: the
 # model of queue_scheduling / prompt_replication / env_async) and `... --num-layers 4 --hidden-size 160`
 # (async_vs_sync's model).
@@ -62,7 +62,7 @@ STEP16_L2_H64 = [(1, 0.0022), (4, 0.0029), (8, 0.0039), (16, 0.0050), (64, 0.009
 STEP_2026_11_24_EARLY_L2_H64 = [(1, 0.00138), (2, 0.00156), (4, 0.00182), (8, 0.00239), (16, 0.00241),
                                 (32, 0.00398), (64, 0.00798)]
 # The 4 × 160 curve re-measured on the 2-core box on 2026-11-24 14:21 (load 0.5), minutes after the
-# "avs2_2026_11_24" run below and after the CPU server's cheaper request path (f55fc73): `OMP_NUM_THREADS=1 python
+# "avs2_2026_11_24" run below and after the local engine server's cheaper request path (f55fc73): `OMP_NUM_THREADS=1 python
 # benchmarks/engine_step_cost.py --num-layers 4 --hidden-size 160 --k 1,4,8,16,32 --loop-k 8,21 --short 4
 # --long 24`; closed loop at 21 running (the run's cap): 1.22 ms engine seconds per request.
 STEP_2026_11_24_L4_H160 = [(1, 0.001917), (4, 0.002328), (8, 0.002784), (16, 0.00352), (32, 0.004992)]
@@ -87,7 +87,7 @@ ENGINE_PER_REQUEST_2026_11_24_CAP64 = 0.00110
 # --loop-k 16,64 --loop-prompt-len 2,100 --max-batch-tokens 512 --short 4 --long 24`. At 16 running: 2.19 vs
 # 0.55 ms per request → 16.7 µs per prefilled token (decode step 3.16 vs 2.23 ms: longer context). At 64 the
 # split is different (2.12 vs 1.28 ms per request, 8.6 µs per token, but the decode step 19.9 vs 3.05 ms):
-# the 16-running figure is used. The CPU server has no prefix cache: each turn of an episode prefills the
+# the 16-running figure is used. The local engine server has no prefix cache: each turn of an episode prefills the
 # whole conversation again.
 PREFILL_TOKEN_ENGINE_S = 16.7e-6
 # env_async's conversation (the tiny tokenizer's chat template, ChatTokens): 18 prompt tokens; each env turn
@@ -281,7 +281,7 @@ class CostSet:
     def costs(self, model: str, *, cap: int, train: float = 0.0, sync: float = 0.0,
               request_s: float | None = None, prefill_token_s: float = 0.0) -> planner.Costs:
         """`prefill_token_s`: engine seconds per prefilled token, for multi-turn rows (the other benchmarks'
-        prompts are as short as the one the request cost was measured with); the CPU server re-prefills."""
+        prompts are as short as the one the request cost was measured with); the local engine server re-prefills."""
         return planner.Costs(decode_step=self.step[model], engine_cap=cap, prefill_s=0.0,
                              train_s=lambda g, tokens: train, sync_s=sync,
                              request_engine_s=self.request_s if request_s is None else request_s,
@@ -489,7 +489,7 @@ def validate(*, seeds: int, steps: int, log: Callable[[str], None] = print) -> d
                                    CostSet("stage time", step_small=STEP_2026_11_24_EARLY_L2_H64)], req, seeds=seeds,
                                steps=steps, key="rep8_2026_11_24_early")
     # 2-core box, 2026-11-24: async_vs_sync re-run minutes before a fresh 4 × 160 curve and closed-loop request
-    # cost (after the CPU server's cheaper request path); the stage-time set solves its own request cost from
+    # cost (after the local engine server's cheaper request path); the stage-time set solves its own request cost from
     # this run's α = 0 rollout stage, so only its α = 2 rows are predictions.
     nov24 = dict(step_large=STEP_2026_11_24_L4_H160, request_s=ENGINE_PER_REQUEST_2026_11_24,
                  client_s=CLIENT_CPU_PER_REQUEST_2026_11_24)

@@ -29,7 +29,7 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 ROLLOUT_RUNNERS = ("thread", "process")
 STALE_POLICIES = ("drop", "regenerate")
 ADMISSIONS = ("adaptive", "eager")  # = buffer/staleness.py ADMISSIONS (a unit test keeps them equal)
-ENGINE_BACKENDS = ("cpu", "sglang", "attach")
+ENGINE_BACKENDS = ("local", "sglang", "attach")
 WEIGHT_TRANSPORTS = ("ipc", "broadcast", "disk")
 WANDB_MODES = ("offline", "online", "disabled")
 RECOMPUTE = ("none", "selective", "full")
@@ -491,10 +491,10 @@ class AsyncConfig(_Section):
 class EngineConfig(_Section):
     _section: ClassVar[str] = "engines"
 
-    backend: str = "cpu"
-    """cpu (built-in transformers server) | sglang (launched here) | attach (already running at urls)."""
+    backend: str = "local"
+    """local (built-in engine server, CPU or one GPU) | sglang (launched here) | attach (already running at urls)."""
     num_engines: int = 1
-    """Engine servers to launch (cpu|sglang); with attach, the length of urls."""
+    """Engine servers to launch (local|sglang); with attach, the length of urls."""
     urls: List[str] = field(default_factory=list)
     """Base URLs of running engines (attach only), e.g. http://node3:30000."""
     host: str = "127.0.0.1"
@@ -502,7 +502,7 @@ class EngineConfig(_Section):
     base_port: int = 30000
     """Port of engine 0; engine i listens on base_port + i."""
     tp_size: int = 1
-    """Tensor-parallel GPUs per engine (sglang/attach; must be 1 for cpu)."""
+    """Tensor-parallel GPUs per engine (sglang/attach; must be 1 for local)."""
     gpu_ids: List[int] = field(default_factory=list)
     """GPUs for launched sglang engines, num_engines × tp_size of them, engine i taking the i-th
     block; empty = the GPUs after the trainer's local ranks."""
@@ -522,7 +522,7 @@ class EngineConfig(_Section):
     launched SGLang engines get --enable-memory-saver), after it they take the weights back, receive
     the new ones, then the KV cache, and generate again. Needs async_rl.alpha=0."""
     max_restarts: int = 3
-    """Launched engines (cpu|sglang) that exit are started again up to this many times each, then
+    """Launched engines (local|sglang) that exit are started again up to this many times each, then
     synced to the trainer's weights at the next push before they serve; 0 = never. Attached engines
     are not started here (the multi-node template's launch/slurm/engine_loop.sh restarts them on their
     node); they are watched instead (attach_probe_*)."""
@@ -564,9 +564,9 @@ class EngineConfig(_Section):
         for url in self.urls:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"engines.urls entries must start with http:// or https://, got {url!r}")
-        if self.backend == "cpu":
-            self._require(self.tp_size == 1, "tp_size", "must be 1 with engines.backend=cpu")
-            self._require(not self.gpu_ids, "gpu_ids", "must be empty with engines.backend=cpu")
+        if self.backend == "local":
+            self._require(self.tp_size == 1, "tp_size", "must be 1 with engines.backend=local")
+            self._require(not self.gpu_ids, "gpu_ids", "must be empty with engines.backend=local")
         if self.backend == "sglang" and self.gpu_ids:
             self._require(len(self.gpu_ids) == self.num_engines * self.tp_size, "gpu_ids",
                           f"must hold engines.num_engines × engines.tp_size = "

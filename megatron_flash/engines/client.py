@@ -1,6 +1,6 @@
 """Async HTTP client for ONE engine speaking SGLang's native API (0.5.23 JSON, field for field).
 
-Our CPU engine server speaks the same contract, so this client serves both. What it relies on
+Our local engine server speaks the same contract, so this client serves both. What it relies on
 (paths into sglang 0.5.23's `python/sglang/`):
 
   POST /generate            {"input_ids", "sampling_params", "return_logprob", "rid"} →

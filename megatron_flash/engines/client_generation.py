@@ -51,8 +51,8 @@ class GenerationCalls(EngineTransport):
 
         SGLang answers a JSON list of n reply objects, each parsed like ``generate``'s. Each result's
         ``rid`` is the engine's ``meta_info.id``: SGLang 0.5.23 gives every sample a fresh uuid (not
-        derived from ``rid``), the CPU engine ``f"{rid}_{i}"``. ``abort(rid)`` with the request's rid
-        ends all n on the CPU engine but is a no-op on SGLang 0.5.23 (see docs/engines_client.md).
+        derived from ``rid``), the local engine ``f"{rid}_{i}"``. ``abort(rid)`` with the request's rid
+        ends all n on the local engine but is a no-op on SGLang 0.5.23 (see docs/engines_client.md).
         n = 1 is a plain ``generate`` (SGLang then answers one object, not a list). Never retried here.
         """
         if not is_int(n) or n < 1:

@@ -1,6 +1,6 @@
-"""The CPU engine's /generate request, SGLang's shape: parse the body into one item per prompt
+"""The local engine's /generate request, SGLang's shape: parse the body into one item per prompt
 (ids, sampling spec, logprob flags, rid), run or stream an item on the engine, and shape the reply
-(`meta_info.input_token_logprobs` when asked). No HTTP here: cpu_routes.py calls these.
+(`meta_info.input_token_logprobs` when asked). No HTTP here: local_routes.py calls these.
 """
 
 import json
@@ -50,7 +50,7 @@ def parse_generate(engine: Any, body: dict) -> list[dict]:
                          ("input_embeds", (None,)),
                          ("image_data", (None,)), ("lora_path", (None,))):
         if body.get(key) not in neutral:
-            raise ValueError(f"{key} is not supported by the CPU engine")
+            raise ValueError(f"{key} is not supported by the local engine")
     ids, text = body.get("input_ids"), body.get("text")
     if ids is None and text is None:
         raise ValueError("Either text or input_ids should be provided.")
@@ -98,7 +98,7 @@ def parse_generate(engine: Any, body: dict) -> list[dict]:
             raise ValueError("sampling_params.n > 1 is supported for a single prompt only; "
                              "send one request per prompt")
         if body.get("stream"):
-            raise ValueError("stream=true is not supported with sampling_params.n > 1 by the CPU engine")
+            raise ValueError("stream=true is not supported with sampling_params.n > 1 by the local engine")
         rids = [f"{rids[0]}_{i}" for i in range(num_samples)]
         taken = [r for r in rids if engine.has_request(r)]
         if taken:

@@ -1,4 +1,4 @@
-"""Start engine servers as child processes (SGLang or our CPU server), or attach to running ones.
+"""Start engine servers as child processes (SGLang or our local engine server), or attach to running ones.
 
     launcher = EngineLauncher.from_config(cfg.engines, model_path=cfg.model.hf_path, run_dir=run_dir)
     with launcher:                       # start(): spawn, wait for every /health; stop() on exit
@@ -7,7 +7,7 @@
 What one engine gets (backend sglang, engine i, tp_size t):
     CUDA_VISIBLE_DEVICES=<gpu_ids[i*t:(i+1)*t]> python -m sglang.launch_server --model-path M
         --host H --port base_port+i --tp-size t [--api-key K] <server_args as flags>
-backend cpu runs ``python -m megatron_flash.engines.cpu_server`` with the same flags minus --tp-size;
+backend local runs ``python -m megatron_flash.engines.local_server`` with the same flags minus --tp-size;
 backend attach starts nothing and only waits for the given URLs' /health. ``EngineCommand`` is the
 one place a command line is made, so another server (e.g. a test dummy) plugs in the same way.
 
@@ -61,7 +61,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from megatron_flash.engines.launcher_processes import (die_with_parent, group_alive, log_tail, probe_health,
                                                        signal_group, stop_at_exit)
 
-BACKENDS = ("cpu", "sglang", "attach")
+BACKENDS = ("local", "sglang", "attach")
 
 
 class EngineStartupError(RuntimeError):
@@ -101,16 +101,16 @@ class EngineCommand:
         return cls((python, "-m", "sglang.launch_server"))
 
     @classmethod
-    def cpu(cls, python: str = sys.executable) -> "EngineCommand":
-        return cls((python, "-m", "megatron_flash.engines.cpu_server"), tp_flag=None)
+    def local(cls, python: str = sys.executable) -> "EngineCommand":
+        return cls((python, "-m", "megatron_flash.engines.local_server"), tp_flag=None)
 
     @classmethod
     def for_backend(cls, backend: str, python: str = sys.executable) -> "EngineCommand":
         if backend == "sglang":
             return cls.sglang(python)
-        if backend == "cpu":
-            return cls.cpu(python)
-        raise ValueError(f"no command for engine backend {backend!r} (known: sglang, cpu)")
+        if backend == "local":
+            return cls.local(python)
+        raise ValueError(f"no command for engine backend {backend!r} (known: sglang, local)")
 
     def build(self, *, model_path: str, host: str, port: int, tp_size: int = 1,
               api_key: Optional[str] = None, server_args: Optional[Mapping[str, Any]] = None) -> List[str]:

@@ -2,7 +2,7 @@
 
 Compatible with SGLang's `init_custom_process_group` (store at master_address:master_port hosted by
 rank 0, keys prefixed by the group name, group rank = rank), so a trainer rank using this helper can
-join SGLang servers and our CPU server alike. Pure torch: the CPU engine server uses it too.
+join SGLang servers and our local engine server alike. Pure torch: the local engine server uses it too.
 
 Why the store is built here and not with `torch.distributed.rendezvous("tcp://…")` (which SGLang
 uses on the engine side): under torchrun every worker has TORCHELASTIC_USE_AGENT_STORE=True, and

@@ -3,7 +3,7 @@
 
 SGLang's reply field `meta_info.routed_experts` is base64 of little-endian int32 [prompt +
 completion - 1, num_moe_layers, top_k]: row t holds the experts used when token t was the model's
-input (the last sampled token is never fed, so it has none). The CPU engine records the same rows
+input (the last sampled token is never fed, so it has none). The local engine records the same rows
 from inside transformers' continuous batching: every CB step packs the query tokens of several
 requests into one forward, so before the forward the engine notes the step's layout (request,
 first position, token count) and a forward hook on each layer's router writes that layer's top-k

@@ -18,7 +18,7 @@ TOP_K_ALL = 1 << 30
 _SAMPLING_EPS = 1e-6
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingSpec:
-    """The subset of SGLang's `sampling_params` the CPU engine implements (same names, defaults, checks)."""
+    """The subset of SGLang's `sampling_params` the local engine implements (same names, defaults, checks)."""
 
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -48,7 +48,7 @@ class SamplingSpec:
         for key, neutral in cls._NEUTRAL.items():
             value = params.pop(key, None)
             if value not in (None, neutral, [], "", {}):
-                raise ValueError(f"sampling_params.{key}={value!r} is not supported by the CPU engine")
+                raise ValueError(f"sampling_params.{key}={value!r} is not supported by the local engine")
         for key in cls._IGNORED:
             params.pop(key, None)
         known = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "min_new_tokens", "stop_token_ids",

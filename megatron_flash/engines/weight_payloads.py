@@ -23,7 +23,7 @@ def read_disk_weights(model_path: str, load_format: str | None) -> list[tuple[st
     from safetensors.torch import load_file
 
     if load_format not in (None, "auto", "safetensors", "pt"):
-        raise ValueError(f"load_format {load_format!r} is not supported by the CPU engine (auto, safetensors, pt)")
+        raise ValueError(f"load_format {load_format!r} is not supported by the local engine (auto, safetensors, pt)")
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if files:
         return [item for f in files for item in load_file(f).items()]

@@ -102,11 +102,11 @@ class Costs:
     request's slot but is shared with the other sequences like decoding (latency more than load)."""
     request_engine_s: float = 0.0
     """Engine-exclusive seconds per request (every turn of an episode): while the engine spends them no
-    sequence advances, so unlike `per_request_s` they add up over concurrent requests (a CPU engine's
+    sequence advances, so unlike `per_request_s` they add up over concurrent requests (a local engine's
     HTTP handling, admission and prefill under one GIL). `benchmarks/engine_step_cost.py --loop-k`
     measures it with requests arriving one at a time, as a rollout sends them. Charged once per
     request, also for a request of n sampled sequences: `--loop-n 1,8` measured an 8-sequence request
-    at 3.3-6.5 ms vs 4.1-6.8 ms for a single one (CPU server, quiet 2-core box, 2026-11-24)."""
+    at 3.3-6.5 ms vs 4.1-6.8 ms for a single one (local engine server, quiet 2-core box, 2026-11-24)."""
     client_per_request_s: float = 0.0
     """Seconds of the rollout client (one asyncio loop: scheduler, proxy, HTTP, rewards) per request;
     requests pass it one at a time before they reach an engine, so it caps requests/s."""
@@ -116,7 +116,7 @@ class Costs:
     first turn and, at each later turn of an episode, for the tokens the engine has not cached."""
     prefix_cache: bool = True
     """The engine keeps a finished turn's KV (SGLang's radix cache): a later turn prefills only the tokens the
-    environment appended (`Workload.turn_tokens`). False (the CPU server): the whole conversation again."""
+    environment appended (`Workload.turn_tokens`). False (the local engine server): the whole conversation again."""
 
     @classmethod
     def from_models(cls, *, model: ModelSpec, gpu: GPUSpec, engine_tp: int, mean_ctx: float, max_ctx: float,

@@ -31,7 +31,7 @@ discarded; staleness ≤ α).
          round trip, prefill again); processor-shared like decoding, so it holds the request's slot
          but barely slows the others where a step costs the same for 1 or k sequences
     request_engine_s: engine-exclusive seconds per request: the engine decodes nothing meanwhile (a
-         CPU engine's HTTP handling, admission and prefill under one GIL); k requests cost k times it
+         local engine's HTTP handling, admission and prefill under one GIL); k requests cost k times it
     client_per_request_s: the rollout client handles requests one at a time before they start
     prefill_token_engine_s: engine-exclusive seconds per prefilled token: the prompt, and at each later turn
          the env's appended tokens (prefix_cache) or the whole conversation again (no prefix cache)

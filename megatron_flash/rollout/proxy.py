@@ -279,7 +279,7 @@ class LLMProxy:
         """SGLang gives the samples of an n > 1 request fresh rids and forgets the request's own, so
         /abort_request {rid} reaches none of them. Closing the connection does: SGLang polls for a
         disconnected client (every SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s) and aborts each sample.
-        The CPU engine ends them on the abort itself and replies well within the grace period."""
+        The local engine ends them on the abort itself and replies well within the grace period."""
         await asyncio.wait({request}, timeout=N_ABORT_GRACE_S)
         if not request.done() and self._parallel_calls.get(rid) is request:
             self._cut.add(rid)

@@ -4,7 +4,7 @@
 found them); modules that change weights or need a flag start their own through `launch_engine`.
 
 Backends:
-    "cpu"     megatron_flash.engines.cpu_server (transformers continuous batching), started here.
+    "cpu"     megatron_flash.engines.local_server (transformers continuous batching), started here.
     "cuda"    the same server with --device cuda --dtype float32 (tests/gpu/test_gpu_contract.py runs the
               tier with MF_CONTRACT_BACKENDS=cuda on a GPU machine).
     "sglang"  real SGLang 0.5.23 on CPU. HOOK: add "sglang" to BACKENDS and provide
@@ -29,7 +29,7 @@ import pytest
 from megatron_flash.ports import free_ports
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# `make test` runs the CPU server; `make test-sglang` sets MF_CONTRACT_BACKENDS=sglang (real SGLang 0.5.23 on CPU,
+# `make test` runs the local engine server; `make test-sglang` sets MF_CONTRACT_BACKENDS=sglang (real SGLang 0.5.23 on CPU,
 # installed by tools/sglang_cpu/install.sh into .cache/sglang-venv).
 BACKENDS = [b for b in os.environ.get("MF_CONTRACT_BACKENDS", "cpu").split(",") if b]
 STARTUP_DEADLINE_S = {"cpu": 120.0, "cuda": 180.0, "sglang": 300.0}
@@ -75,9 +75,9 @@ class EngineServer:
                 self.proc.wait(timeout=20)
 
 
-def _start_cpu_server(model_dir: str, port: int, log_path: str, *, api_key: str | None = None,
+def _start_local_server(model_dir: str, port: int, log_path: str, *, api_key: str | None = None,
                       device: str = "cpu") -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "megatron_flash.engines.cpu_server", "--model-path", model_dir,
+    cmd = [sys.executable, "-m", "megatron_flash.engines.local_server", "--model-path", model_dir,
            "--port", str(port), "--host", "127.0.0.1", "--num-blocks", "64", "--page-size", "16",
            "--max-batch-tokens", "256", "--log-level", "warning", "--device", device, "--dtype", "float32"]
     if api_key is not None:
@@ -90,11 +90,11 @@ def _start_cpu_server(model_dir: str, port: int, log_path: str, *, api_key: str 
 def launch_engine(backend: str, model_dir: str, log_dir: str, *, api_key: str | None = None,
                   sglang_args: list[str] | None = None) -> EngineServer:
     """Start a server of `backend` on a free loopback port and wait (with a deadline) for /health.
-    `sglang_args`: server flags SGLang needs and the CPU engine does not (it has no such switches)."""
+    `sglang_args`: server flags SGLang needs and the local engine does not (it has no such switches)."""
     port = free_ports()
     log_path = os.path.join(log_dir, f"{backend}-{port}.log")
     if backend in LOCAL:
-        proc = _start_cpu_server(model_dir, port, log_path, api_key=api_key, device=backend)
+        proc = _start_local_server(model_dir, port, log_path, api_key=api_key, device=backend)
     elif backend == "sglang":  # HOOK: provided by the real-SGLang tier
         from tests.contract.sglang_backend import start_sglang_server
 

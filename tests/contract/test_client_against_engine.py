@@ -45,11 +45,11 @@ def test_generate_parses_logprobs_and_finish(server) -> None:
 
 
 def test_abort_by_rid_and_abort_all_return_partial_outputs(server) -> None:
-    """A streamed probe request starts first; 64 long requests follow and need ~16x the CPU engine's
+    """A streamed probe request starts first; 64 long requests follow and need ~16x the local engine's
     KV, so they queue (FIFO) behind the first wave. Progress is read from the probe, not from a clock:
     at 30 streamed chunks every request has reached the server and the last one is still waiting when
     it is aborted by rid; at 60 (of 240) the first wave, probe included, is mid-generation when
-    abort_all lands — on the CPU server (waves) and on SGLang (all at once) alike. Fixed sleeps raced
+    abort_all lands — on the local engine server (waves) and on SGLang (all at once) alike. Fixed sleeps raced
     both ways (a wave finished before the abort on a fast machine, nothing started on a loaded one)."""
     params = {"temperature": 1.0, "max_new_tokens": 240, "ignore_eos": True}
     n = 64
@@ -116,7 +116,7 @@ def test_pause_continue_and_weight_update_through_the_client(server, seed1_model
 
 
 def test_more_kv_demand_than_the_cache_queues_instead_of_failing(server) -> None:
-    """16 × (5 + 240) tokens need ~4× the CPU server's KV (64 blocks × 16): requests must wait for KV,
+    """16 × (5 + 240) tokens need ~4× the local engine server's KV (64 blocks × 16): requests must wait for KV,
     all finish with their full length, and the engine keeps serving afterwards."""
     params = {"temperature": 1.0, "max_new_tokens": 240, "ignore_eos": True}
 

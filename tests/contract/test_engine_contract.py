@@ -115,9 +115,9 @@ def test_model_info_and_flush(engine) -> None:
 
 def test_prefills_larger_than_one_batch_all_finish_with_exact_logprobs(engine) -> None:
     """48 concurrent 30-token prompts = 1440 prefill tokens, several times one batch's token budget
-    (the CPU server's --max-batch-tokens is 256): prompts are prefilled in chunks across steps while
+    (the local engine server's --max-batch-tokens is 256): prompts are prefilled in chunks across steps while
     others decode. Every request must finish and its logprobs must match teacher forcing (found as a
-    crash of the CPU engine's sampler under the quickstart's 128 concurrent requests)."""
+    crash of the local engine's sampler under the quickstart's 128 concurrent requests)."""
     import concurrent.futures
 
     prompts = [[1] + [4 + (i * 7 + j) % 40 for j in range(29)] for i in range(48)]

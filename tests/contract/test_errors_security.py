@@ -49,8 +49,8 @@ def test_api_key(keyed_server) -> None:
     assert http("GET", keyed_server.url + "/health")[0] == 200
 
 
-def test_cpu_server_unknown_model_path_exits_nonzero(tmp_path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "megatron_flash.engines.cpu_server", "--model-path",
+def test_local_server_unknown_model_path_exits_nonzero(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "megatron_flash.engines.local_server", "--model-path",
                            str(tmp_path / "missing"), "--port", "1"], cwd=REPO, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0

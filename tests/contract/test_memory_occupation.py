@@ -3,7 +3,7 @@
 
 The RL order: pause(abort) → release all → (trainer uses the device) → resume weights → push weights
 → resume kv_cache → continue. After it the engine must serve exactly the pushed weights. Both
-backends; on our CPU server the memory really goes (weights_bytes 0 while released, checked against
+backends; on our local engine server the memory really goes (weights_bytes 0 while released, checked against
 the checkpoint's own tensor sizes). SGLang frees memory only with --enable-memory-saver (a CUDA
 feature); on CPU its endpoints keep the weights, and the contract here is the protocol.
 """
@@ -30,14 +30,14 @@ def server(request: pytest.FixtureRequest, tiny_models: dict[str, str], tmp_path
 
 
 @pytest.fixture(scope="module")
-def cpu_server(tiny_models: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
+def local_server(tiny_models: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
     server = launch_engine(LOCAL_BACKEND, tiny_models["llama"], str(tmp_path_factory.mktemp("mem_cpu_logs")))
     yield server
     server.stop()
 
 
 def checkpoint_bytes(model_dir: str) -> int:
-    """fp32 bytes of every tensor in the checkpoint (the CPU server serves fp32)."""
+    """fp32 bytes of every tensor in the checkpoint (the local engine server serves fp32)."""
     import math
 
     from safetensors import safe_open
@@ -66,8 +66,8 @@ def test_release_resume_push_then_serve_the_pushed_weights(server, seed1_model: 
     assert_logprobs_match(seed1_model, PROMPT, out, temperature=1.0)
 
 
-def test_cpu_server_frees_the_weights_and_requests_wait_until_resumed(cpu_server, tiny_models) -> None:
-    url, model = cpu_server.url, tiny_models["llama"]
+def test_local_server_frees_the_weights_and_requests_wait_until_resumed(local_server, tiny_models) -> None:
+    url, model = local_server.url, tiny_models["llama"]
     _, info = http("GET", url + "/get_server_info")
     assert info["weights_bytes"] == checkpoint_bytes(model) and info["memory_released"] == []
     status, body = post(url + "/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
@@ -92,8 +92,8 @@ def test_cpu_server_frees_the_weights_and_requests_wait_until_resumed(cpu_server
     assert_logprobs_match(model, PROMPT, result["out"], temperature=1.0)
 
 
-def test_cpu_server_refuses_bad_memory_requests(cpu_server, tiny_models) -> None:
-    url = cpu_server.url
+def test_local_server_refuses_bad_memory_requests(local_server, tiny_models) -> None:
+    url = local_server.url
     status, body = post(url + "/release_memory_occupation", {"tags": ["weights", "activations"]})
     assert status == 400 and "activations" in body["error"]["message"], body
     status, body = post(url + "/resume_memory_occupation", {"tags": ["weights"]})

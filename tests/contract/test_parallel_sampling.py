@@ -6,11 +6,11 @@ Contract asserted on every backend:
     forward; samples differ at temperature 1; n = 1 is the plain single-object reply.
 Where the backends differ (pinned, so an SGLang upgrade that changes it is noticed):
     sample ids   SGLang 0.5.23: a fresh uuid4 hex per sample (tokenizer_manager regenerate_rid);
-                 CPU engine: "{rid}_{i}".
-    abort        /abort_request {rid} ends all n on the CPU engine; SGLang 0.5.23 ignores it (the
+                 local engine: "{rid}_{i}".
+    abort        /abort_request {rid} ends all n on the local engine; SGLang 0.5.23 ignores it (the
                  request's own rid state is dropped once the samples get their own rids). The proxy
                  covers both: after a grace period it closes the connection, which SGLang does act on.
-    n <= 0       CPU engine: 400 naming sampling_params.n; SGLang treats it as n = 1.
+    n <= 0       local engine: 400 naming sampling_params.n; SGLang treats it as n = 1.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def test_n_one_is_a_single_reply_and_bad_n_is_refused(engine) -> None:
 
 
 def test_abort_by_rid_during_n_generation(engine) -> None:
-    """64 long single requests go first: their KV needs many waves on the CPU engine, so the n = 4
+    """64 long single requests go first: their KV needs many waves on the local engine, so the n = 4
     request is still waiting or generating when its rid is aborted. No timing race: the abort cannot
     come after the work it is meant to cut (see test_client_against_engine)."""
     fillers = [f"par-fill-{i}" for i in range(64)]
@@ -114,8 +114,8 @@ def test_abort_by_rid_during_n_generation(engine) -> None:
 
 def test_client_and_proxy_generate_n(engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """EngineClient.generate_n parses the n replies. LLMProxy.abort ends an n request on every backend:
-    256 samples of 240 tokens are many KV waves (about 10 s on SGLang, more on the CPU engine), and
-    the engine must be idle well before that: the CPU engine ends them on /abort_request; on SGLang
+    256 samples of 240 tokens are many KV waves (about 10 s on SGLang, more on the local engine), and
+    the engine must be idle well before that: the local engine ends them on /abort_request; on SGLang
     the proxy closes the connection after the grace period and SGLang aborts them within its
     disconnect poll (4 s)."""
     from megatron_flash.rollout import proxy as proxy_module

@@ -1,7 +1,7 @@
 """The weight bridge against every contract backend: a single-rank Megatron trainer (tools/weight_sync/
 verify.py as a subprocess) pushes its weights with each transport into this module's own server.
 
-    make test           → the CPU engine server
+    make test           → the local engine server
     make test-sglang    → real SGLang 0.5.23 on CPU (MF_CONTRACT_BACKENDS=sglang)
 
 What a pass proves, per transport, on the real wire format: pause → begin → buckets (ForkingPickler

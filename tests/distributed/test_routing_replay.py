@@ -1,4 +1,4 @@
-"""Rollout routing replay (R3) on real engine samples: the CPU engine generates from the tiny
+"""Rollout routing replay (R3) on real engine samples: the local engine generates from the tiny
 Qwen3-MoE over HTTP and returns its routes; the trainer (one process; TP2 × SP × EP2 over four)
 scores the samples with its routers as loaded and with them perturbed, replay off and on.
 
@@ -28,7 +28,7 @@ from tests.contract.conftest import launch_engine
 
 @pytest.fixture(scope="module")
 def engine_samples(tiny_models: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Six samples of the tiny MoE with routes, from the CPU engine over HTTP, saved for the workers."""
+    """Six samples of the tiny MoE with routes, from the local engine over HTTP, saved for the workers."""
     model = tiny_models["qwen3_moe"]
     root = tmp_path_factory.mktemp("replay")
     server = launch_engine("cpu", model, str(root))

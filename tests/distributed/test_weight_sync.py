@@ -1,4 +1,4 @@
-"""Weight sync trainer → CPU engine servers for each transport and layout (tools/weight_sync/verify.py).
+"""Weight sync trainer → local engine servers for each transport and layout (tools/weight_sync/verify.py).
 
   layout    procs  engines  transports             what it exercises
   --------  -----  -------  ---------------------  ------------------------------------------------

@@ -4,7 +4,7 @@
   ---------  ------  -----------------------------------------------------------------------
   ipc        staged  the transport's SharedBuffers + Stager → the engine's SharedBufferMaps, 2 buffers
                      alternating, tensors larger than a buffer in pieces
-  ipc        fresh   the ipc transport's pickled path (ForkingPickler), CPU engine's allowlist unpickler
+  ipc        fresh   the ipc transport's pickled path (ForkingPickler), local engine's allowlist unpickler
   broadcast  bucket  2-rank gloo group from process_group.new_weight_update_group, one flat broadcast per
                      bucket received by the engine's receive_broadcast (the bridge's way)
   broadcast  tensor  the same group, one broadcast per tensor

@@ -1,5 +1,5 @@
 """Agentic RL end to end on CPU: `launch/pretrain_async_rl.py` with `agentic.env=frozenlake`, a real
-Megatron trainer, a real CPU engine server over HTTP and weight pushes after every step.
+Megatron trainer, a real local engine server over HTTP and weight pushes after every step.
 
 Checked: one metrics row per step with the env/* counters; the dumped groups (rollout.dump_path)
 carry the multi-turn layout of the env manager: `response_mask` is 1 exactly on the model's tokens

@@ -1,5 +1,5 @@
 """The product's entry point end to end on CPU: `launch/pretrain_async_rl.py` with a real Megatron
-trainer (gloo), a real CPU engine server over HTTP, real weight pushes after every step.
+trainer (gloo), a real local engine server over HTTP, real weight pushes after every step.
 
 Checked: the run finishes with exit 0, one metrics row per step with the documented keys, policy
 versions 1..N, staleness within α (and exactly 0 for α = 0), the engine's behavior logprobs equal

@@ -1,4 +1,4 @@
-"""Fault test: kill one of two real CPU engine servers (by pid) while requests are in flight through
+"""Fault test: kill one of two real local engine servers (by pid) while requests are in flight through
 the proxy. Every request must complete exactly once, on the survivor, with a full answer."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from megatron_flash.engines.launcher import EngineLauncher, probe_health
 
 @pytest.fixture
 def two_engines(tiny_models, tmp_path):
-    launcher = EngineLauncher(backend="cpu", model_path=tiny_models["llama"], num_engines=2,
+    launcher = EngineLauncher(backend="local", model_path=tiny_models["llama"], num_engines=2,
                               base_port=free_ports(2), run_dir=str(tmp_path), startup_timeout_s=180)
     with launcher:  # __enter__ starts the servers and waits for /health
         yield launcher
@@ -125,7 +125,7 @@ class RunWatch:
 
 
 def test_launcher_restarts_a_killed_engine_and_the_run_resyncs_it(tiny_models, tmp_path) -> None:
-    """The product with two launched CPU engines; engine 0 is killed (-9) mid-run. The launcher
+    """The product with two launched local engines; engine 0 is killed (-9) mid-run. The launcher
     must start it again, the next push must send it the trainer's weights, and it must serve again
     (the proxy re-admits it only at the fleet's version). The run is long; once that is seen it is
     stopped by SIGTERM (the pre-emption path) and must exit cleanly with no engine left behind.
@@ -182,7 +182,7 @@ def test_launcher_restarts_a_killed_engine_and_the_run_resyncs_it(tiny_models, t
 
 
 def test_attached_engines_restarted_on_their_node_are_resynced_and_serve_again(tiny_models, tmp_path) -> None:
-    """The multi-node layout on one machine: two CPU servers started outside the run, each under
+    """The multi-node layout on one machine: two local engine servers started outside the run, each under
     launch/slurm/engine_loop.sh (what the template's engine steps run), and the product attached to
     them (engines.backend=attach). Engine 0's server is killed (-9) mid-run: the trainer must take it
     out when its /health fails, the loop must start it again, and once it answers the next push must
@@ -195,7 +195,7 @@ def test_attached_engines_restarted_on_their_node_are_resynced_and_serve_again(t
     port = free_ports(2)
     urls = [f"http://127.0.0.1:{port + i}" for i in range(2)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "RESTART_DELAY_S": "0.5"}
-    cpu = EngineCommand.cpu()
+    cpu = EngineCommand.local()
     loops = []
     for i in range(2):
         cmd = shlex.join(cpu.build(model_path=tiny_models["llama"], host="127.0.0.1", port=port + i))
@@ -265,7 +265,7 @@ def test_attached_engines_restarted_on_their_node_are_resynced_and_serve_again(t
 
 def test_supervisor_restarts_up_to_max_restarts_then_leaves_it_down(tiny_models, tmp_path) -> None:
     downs = []
-    launcher = EngineLauncher(backend="cpu", model_path=tiny_models["llama"], num_engines=1,
+    launcher = EngineLauncher(backend="local", model_path=tiny_models["llama"], num_engines=1,
                               base_port=free_ports(1), run_dir=str(tmp_path), startup_timeout_s=180)
     with launcher:
         url = launcher.urls[0]

@@ -1,4 +1,4 @@
-"""benchmarks/env_async.py end to end at a toy size (one CPU engine server, a few short episodes): its
+"""benchmarks/env_async.py end to end at a toy size (one local engine server, a few short episodes): its
 last-line JSON has every key, and every mode completed the same work. No speedup is checked here: the
 numbers are measured by hand and recorded in docs/benchmarks.md."""
 

@@ -1,5 +1,5 @@
 """The agent gateway with the official `openai` client: `python -m megatron_flash.agentic.gateway`
-(standalone mode, a subprocess) over a real CPU engine server serving the tiny chat model.
+(standalone mode, a subprocess) over a real local engine server serving the tiny chat model.
 
 Checked against independent computations: each recorded turn's tokens and logprobs equal what the
 engine itself samples for that prompt (greedy, asked directly over EngineClient); the trajectory's

@@ -1,6 +1,6 @@
 """The tiny Qwen3-MoE learns the quickstart task with rollout routing replay: `launch/quickstart_cpu.py
 --arch qwen3_moe` (make_tiny_model, format-only Megatron warm-up, then `launch/pretrain_async_rl.py`
-with α = 2 and a CPU engine server that returns its routes over HTTP).
+with α = 2 and a local engine server that returns its routes over HTTP).
 
 Checked: the reward rises well above chance (≈ 1/24 at the start), every training step's routers used
 exactly the engine's experts (moe_route_replayed = 1.0), and the trainer's own routing agreed with

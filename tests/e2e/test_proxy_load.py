@@ -1,4 +1,4 @@
-"""1,000 concurrent requests through the proxy against two CPU engines: all complete exactly once,
+"""1,000 concurrent requests through the proxy against two local engines: all complete exactly once,
 the per-engine in-flight bound holds (benchmarks/proxy_load.py asserts completeness itself; the
 timing and memory figures it prints are recorded in docs/benchmarks.md, not asserted here)."""
 

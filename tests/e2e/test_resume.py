@@ -50,7 +50,7 @@ def rows(path: str) -> list[dict]:
 
 
 def engine_alive(port: int) -> bool:
-    return subprocess.run(["pgrep", "-f", f"cpu_server.*--port {port}"], capture_output=True).returncode == 0
+    return subprocess.run(["pgrep", "-f", f"local_server.*--port {port}"], capture_output=True).returncode == 0
 
 
 def assert_no_orphan(port: int) -> None:
@@ -60,7 +60,7 @@ def assert_no_orphan(port: int) -> None:
     while engine_alive(port) and time.monotonic() < deadline:
         time.sleep(0.1)
     alive = engine_alive(port)
-    subprocess.run(["pkill", "-9", "-f", f"cpu_server.*--port {port}"], check=False)  # never leak one
+    subprocess.run(["pkill", "-9", "-f", f"local_server.*--port {port}"], check=False)  # never leak one
     assert not alive, f"the engine on port {port} outlived its trainer"
 
 

@@ -1,4 +1,4 @@
-"""Staged ipc against a real CPU engine server when the *trainer* dies mid-sync.
+"""Staged ipc against a real local engine server when the *trainer* dies mid-sync.
 
 The engine is started here (it must outlive the trainer). Trainer 1 syncs v1 in buffers of 4 KB (the
 tiny Llama's tensors go in pieces, sizes are no multiple of the buffer), checks that the engine serves
@@ -38,9 +38,9 @@ def test_trainer_killed_mid_sync_leaves_the_engine_serving_and_nothing_behind(ti
     from megatron_flash.ports import free_ports
 
     shm_before = set(os.listdir("/dev/shm"))
-    with EngineLauncher(backend="cpu", model_path=tiny_models["llama"], base_port=free_ports(1),
+    with EngineLauncher(backend="local", model_path=tiny_models["llama"], base_port=free_ports(1),
                         run_dir=str(tmp_path), startup_timeout_s=180) as launcher, \
-            EngineLauncher(backend="cpu", model_path=tiny_models["llama"], base_port=free_ports(1),
+            EngineLauncher(backend="local", model_path=tiny_models["llama"], base_port=free_ports(1),
                            run_dir=str(tmp_path / "bf16"), startup_timeout_s=180,
                            server_args={"dtype": "bfloat16"}) as bf16:
         url, pid = launcher.urls[0], launcher.pids[0]

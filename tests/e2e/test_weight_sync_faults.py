@@ -1,4 +1,4 @@
-"""Weight sync under faults: a trainer syncs to two CPU engine servers, A and B, and something goes
+"""Weight sync under faults: a trainer syncs to two local engine servers, A and B, and something goes
 wrong with A while buckets are being sent. The bridge's `on_bucket` hook makes it deterministic
 (buckets of 50 KB: ~5 per sync; the fault hits A right after bucket 1 went out).
 
@@ -144,7 +144,7 @@ def _main() -> int:
     launcher = None
     shared: list = [None, None]
     if rank0:
-        launcher = EngineLauncher(backend="cpu", model_path=args.model_path, num_engines=2, base_port=free_ports(2),
+        launcher = EngineLauncher(backend="local", model_path=args.model_path, num_engines=2, base_port=free_ports(2),
                                   run_dir=args.run_dir, startup_timeout_s=180)
         launcher.__enter__()
         shared = [list(launcher.urls), list(launcher.pids)]

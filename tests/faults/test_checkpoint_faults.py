@@ -1,4 +1,4 @@
-"""The fault tier, checkpoint side, on a real run (trainer + CPU engine):
+"""The fault tier, checkpoint side, on a real run (trainer + local engine):
 
 1. SIGKILL while a checkpoint is being written (the moment its `step_N.tmp` directory appears): the
    previous checkpoint stays `latest`, whole; the partial one is never named by `latest`.

@@ -1,4 +1,4 @@
-"""The fault tier, rollout side: one real run (trainer process, real CPU engine server, real reward
+"""The fault tier, rollout side: one real run (trainer process, real local engine server, real reward
 worker process) meets, in order, every fault the rollout side of a long run meets, and then a
 pre-emption in the middle of a weight sync. Between the trainer and the engine sits a real HTTP
 server (faulty_engine.FaultyEngine) that forwards everything and injects the engine faults.
@@ -79,7 +79,7 @@ def test_engine_and_reward_faults_are_survived_counted_and_accounted(tiny_models
     shm_before = set(os.listdir("/dev/shm"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "PYTHONWARNINGS": "ignore",
            "MF_FAULT_DIR": str(tmp_path)}
-    launcher = EngineLauncher(backend="cpu", model_path=tiny_models["llama"], num_engines=1,
+    launcher = EngineLauncher(backend="local", model_path=tiny_models["llama"], num_engines=1,
                               base_port=free_ports(1), run_dir=str(tmp_path / "engine"), startup_timeout_s=180)
     terminated: list[str] = []
     with launcher, FaultyEngine(launcher.urls[0], prompts, refuse=[REFUSED], error=[FAILS], start_after=24, burst=3,

@@ -1,4 +1,4 @@
-"""The fault tier, training side: NaN logits in a real run (trainer + CPU engine). With a learning
+"""The fault tier, training side: NaN logits in a real run (trainer + local engine). With a learning
 rate of 1e30 the first optimizer step has finite gradients (so the non-finite-gradient guard lets it
 through) but leaves weights of ~1e30, whose logits overflow: NaN. The post-sync probe must see the
 trainer's own logprobs non-finite and stop the run at that first push, naming the cause, with the

@@ -7,7 +7,7 @@ and come back on the same port. Not a model: output_ids are 100, 101, ... and lo
 
 Parallel sampling (`sampling_params.n` > 1) answers a list of n replies and counts n in flight. By
 default it behaves like SGLang 0.5.23: each sample gets a fresh uuid rid and /abort_request with the
-request's rid does nothing (`parallel_abort_by_rid=True` makes it end all n, as the CPU engine does,
+request's rid does nothing (`parallel_abort_by_rid=True` makes it end all n, as the local engine does,
 with rids "{rid}_{i}"). `disconnected` lists rids whose client closed the connection before the reply.
 """
 

@@ -67,7 +67,7 @@ def test_quickstart_settings() -> None:
         "parallel.pipeline_model_parallel_size": 1, "trainer.micro_batch_size": 128,
         "trainer.global_batch_size": 128, "optimizer.lr": 1e-3, "optimizer.name": "adam",
         "loss.name": "tis", "rollout.n_samples_per_prompt": 8, "rollout.max_new_tokens": 8,
-        "data.task": "sort4", "engines.backend": "cpu", "engines.num_engines": 1,
+        "data.task": "sort4", "engines.backend": "local", "engines.num_engines": 1,
         "async_rl.alpha": 2, "logging.dir": "runs/quickstart/rl", "model.dtype": "float32",
     }
     for key, value in expected.items():

@@ -356,7 +356,7 @@ def test_abort_of_a_queued_generate_n_returns_n_aborted_results() -> None:
 
 @pytest.mark.parametrize("engine_aborts", [True, False])
 def test_abort_of_a_running_generate_n(monkeypatch: pytest.MonkeyPatch, engine_aborts: bool) -> None:
-    """The CPU engine ends all n on /abort_request {rid} (partial outputs come back). SGLang 0.5.23
+    """The local engine ends all n on /abort_request {rid} (partial outputs come back). SGLang 0.5.23
     ignores it: after a grace period the proxy closes the connection (SGLang then aborts the samples)
     and answers n aborted results itself."""
     from megatron_flash.rollout import proxy as proxy_module

@@ -115,15 +115,15 @@ def test_sglang_specs_assign_gpus_ports_and_flags(tmp_path: Path) -> None:
 
 
 def test_cpu_backend_and_config(tmp_path: Path) -> None:
-    config = EngineConfig(backend="cpu", num_engines=2, base_port=32000, server_args={"num-blocks": 64})
+    config = EngineConfig(backend="local", num_engines=2, base_port=32000, server_args={"num-blocks": 64})
     config.validate()
     launcher = EngineLauncher.from_config(config, model_path="/m", run_dir=str(tmp_path))
     spec = launcher.specs()[1]
-    assert spec.argv == (sys.executable, "-m", "megatron_flash.engines.cpu_server", "--model-path", "/m",
+    assert spec.argv == (sys.executable, "-m", "megatron_flash.engines.local_server", "--model-path", "/m",
                          "--host", "127.0.0.1", "--port", "32001", "--num-blocks", "64")
     assert "CUDA_VISIBLE_DEVICES" not in spec.env
     with pytest.raises(ValueError, match="tp_size must be 1"):
-        EngineLauncher(backend="cpu", model_path="/m", tp_size=2).specs()
+        EngineLauncher(backend="local", model_path="/m", tp_size=2).specs()
     with pytest.raises(ValueError, match="gpu_ids"):
         EngineLauncher(backend="sglang", model_path="/m", num_engines=2, gpu_ids=[0])
     with pytest.raises(ValueError, match="model_path"):
@@ -134,19 +134,19 @@ def test_cpu_backend_and_config(tmp_path: Path) -> None:
 
 def test_colocated_sglang_engines_get_the_memory_saver(tmp_path: Path) -> None:
     """Colocated SGLang frees nothing on /release_memory_occupation without --enable-memory-saver;
-    the config's own server_args are not modified, and a CPU engine gets no such flag."""
+    the config's own server_args are not modified, and a local engine gets no such flag."""
     config = EngineConfig(backend="sglang", colocate=True, server_args={"mem-fraction-static": 0.5})
     argv = EngineLauncher.from_config(config, model_path="/m", run_dir=str(tmp_path)).specs()[0].argv
     assert argv[-3:] == ("--mem-fraction-static", "0.5", "--enable-memory-saver")
     assert config.server_args == {"mem-fraction-static": 0.5}
-    cpu = EngineLauncher.from_config(EngineConfig(backend="cpu", colocate=True), model_path="/m", run_dir=str(tmp_path))
+    cpu = EngineLauncher.from_config(EngineConfig(backend="local", colocate=True), model_path="/m", run_dir=str(tmp_path))
     assert "--enable-memory-saver" not in cpu.specs()[0].argv
 
 
 # -- processes -----------------------------------------------------------------------------------
 def test_start_writes_logs_and_stop_leaves_no_process(tmp_path: Path, dummy: EngineCommand) -> None:
     base = free_ports(2)
-    launcher = EngineLauncher(backend="cpu", model_path="/m", num_engines=2, base_port=base, api_key="secret",
+    launcher = EngineLauncher(backend="local", model_path="/m", num_engines=2, base_port=base, api_key="secret",
                               run_dir=str(tmp_path), command=dummy, startup_timeout_s=30, stop_grace_s=5,
                               poll_interval_s=0.1, server_args={"extra-flag": 7})
     with launcher:
@@ -167,7 +167,7 @@ def test_start_writes_logs_and_stop_leaves_no_process(tmp_path: Path, dummy: Eng
 
 def test_server_exiting_during_startup_raises_with_log_tail(tmp_path: Path, dummy: EngineCommand) -> None:
     base = free_ports(2)
-    launcher = EngineLauncher(backend="cpu", model_path="/m", num_engines=2, base_port=base, run_dir=str(tmp_path),
+    launcher = EngineLauncher(backend="local", model_path="/m", num_engines=2, base_port=base, run_dir=str(tmp_path),
                               command=dummy, server_args={"mode": "fail"}, startup_timeout_s=30,
                               poll_interval_s=0.1, stop_grace_s=2)
     with pytest.raises(EngineStartupError) as info:
@@ -179,7 +179,7 @@ def test_server_exiting_during_startup_raises_with_log_tail(tmp_path: Path, dumm
 
 
 def test_startup_deadline_raises_and_stops(tmp_path: Path, dummy: EngineCommand) -> None:
-    launcher = EngineLauncher(backend="cpu", model_path="/m", base_port=free_ports(1), run_dir=str(tmp_path),
+    launcher = EngineLauncher(backend="local", model_path="/m", base_port=free_ports(1), run_dir=str(tmp_path),
                               command=dummy, server_args={"mode": "hang"}, startup_timeout_s=1.5,
                               poll_interval_s=0.1, stop_grace_s=2)
     with pytest.raises(EngineStartupError, match=r"not healthy after 1.5s \(startup_timeout_s\)") as info:
@@ -193,7 +193,7 @@ SUPERVISOR = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {repo!r})
     from megatron_flash.engines.launcher import EngineCommand, EngineLauncher
-    launcher = EngineLauncher(backend="cpu", model_path="/m", base_port={port}, run_dir={run_dir!r},
+    launcher = EngineLauncher(backend="local", model_path="/m", base_port={port}, run_dir={run_dir!r},
                               command=EngineCommand((sys.executable, {script!r}), tp_flag=None),
                               startup_timeout_s=30, poll_interval_s=0.1, stop_grace_s=3)
     launcher.start()

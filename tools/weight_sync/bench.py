@@ -3,7 +3,7 @@
     python tools/weight_sync/bench.py --transport ipc --size-mb 1024 --bucket-mb 256
     python tools/weight_sync/bench.py --transport ipc --ipc-mode fresh --size-mb 1024   # the ipc transport today
     python tools/weight_sync/bench.py --transport broadcast --model-path runs/quickstart/tiny_model
-    python tools/weight_sync/bench.py --engine --transport ipc --size-mb 256             # WeightBridge → CPU server
+    python tools/weight_sync/bench.py --engine --transport ipc --size-mb 256             # WeightBridge → local engine server
     python tools/weight_sync/bench.py --mode stream-memory --size-mb 256 --bucket-mb 16  # hf_buckets peak memory
     python tools/weight_sync/bench.py --device cuda --size-mb 1024 --bucket-mb 256   # GPU tensors → GPU tensors
     python tools/weight_sync/bench.py --device cuda --engine --size-mb 1024          # GPU trainer → engine on the GPU
@@ -18,7 +18,7 @@ it is timed from the first byte handled to the receiver's last acknowledgement.
                           bucket is copied into one flat tensor per dtype (flattened_bucket) and
                           goes through ForkingPickler (file_system strategy), which moves that
                           storage into a *new* shared-memory segment; the receiver unpickles (the
-                          CPU engine's allowlist unpickler), maps the segment and copies into its
+                          local engine's allowlist unpickler), maps the segment and copies into its
                           tensors.
        --ipc-mode staged  the staged path (what the local engine gets): the transport's own
                           SharedBuffers + Stager (weight_sync/transports/shared_buffers.py):
@@ -52,7 +52,7 @@ peak extra memory: VmHWM after the sync minus VmRSS before it, with VmHWM reset 
 checksum of what it received; `verified` says it equals the sender's.
 
 --engine: a Megatron policy (one process) built from --model-path, or from a Llama of ≈ --size-mb
-written with tools/make_tiny_model.py, synced to a real CPU engine server with WeightBridge; the
+written with tools/make_tiny_model.py, synced to a real local engine server with WeightBridge; the
 time is SyncReport.seconds (pause, buckets, flush, resume, version check) less the bridge's
 post-sync logprob probe, reported apart. `--ipc-mode staged` is the bridge as shipped (the local
 engine takes staged buffers); `--ipc-mode fresh` makes its ipc transport use the pickled path.
@@ -265,7 +265,7 @@ def receiver_main(conn: Any, shapes: list[tuple[str, tuple[int, ...], str]], tra
         kind, *body = conn.recv()
         if kind == "begin":
             probe, split = PeakProbe(), {}
-        elif kind == "fresh":  # bridge.py / CPU engine: unpickle the flattened bucket, copy each tensor
+        elif kind == "fresh":  # bridge.py / local engine: unpickle the flattened bucket, copy each tensor
             t0 = time.perf_counter()
             items = list(read_tensor_payload(body[0], body[1] if len(body) > 1 else "flattened_bucket"))
             t1 = time.perf_counter()
@@ -568,7 +568,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         nbytes = model_bytes(policy)
         memcpy = Memcpy(nbytes, args.device)
         engine_device = args.engine_device or args.device
-        launcher = EngineLauncher(backend="cpu", model_path=model, base_port=free_ports(1), run_dir=tmp,
+        launcher = EngineLauncher(backend="local", model_path=model, base_port=free_ports(1), run_dir=tmp,
                                   startup_timeout_s=600,
                                   server_args={"device": engine_device, "dtype": "float32"})
         launcher.__enter__()
@@ -657,7 +657,7 @@ def run_stream_memory(args: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", default="transport", choices=["transport", "stream-memory"])
-    p.add_argument("--engine", action="store_true", help="WeightBridge → a real CPU engine server")
+    p.add_argument("--engine", action="store_true", help="WeightBridge → a real local engine server")
     p.add_argument("--transport", default="ipc", choices=["ipc", "broadcast", "disk"])
     p.add_argument("--ipc-mode", default="staged", choices=["staged", "fresh"],
                    help="staged: persistent shared buffers (local engine); fresh: pickled (SGLang engines)")

@@ -3,8 +3,8 @@
     python tools/weight_sync/verify.py --model-path runs/quickstart/tiny_model --transport ipc
     torchrun --nproc-per-node 4 tools/weight_sync/verify.py --model-path DIR --tp 2 --pp 2 --transport broadcast
     torchrun --nproc-per-node 2 tools/weight_sync/verify.py --model-path MOE_DIR --ep 2   # experts from each EP rank
-    ... --num-engines 2                          # two CPU engine servers (broadcast: both in each stage's group)
-    ... --engine-url http://127.0.0.1:30000      # use running engines (repeat the flag) instead of CPU servers
+    ... --num-engines 2                          # two local engine servers (broadcast: both in each stage's group)
+    ... --engine-url http://127.0.0.1:30000      # use running engines (repeat the flag) instead of local engine servers
     ... --engine-device cuda                     # the local engine on the GPU (ipc: CUDA handles, device to device)
 
 Builds the Megatron policy (layout --tp × --pp), takes --steps SGD steps on a fixed loss so the
@@ -41,7 +41,7 @@ def main() -> int:
     p.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (default: --tp)")
     p.add_argument("--transport", default="ipc", choices=["ipc", "broadcast", "disk"])
     p.add_argument("--engine-url", action="append", default=[])
-    p.add_argument("--num-engines", type=int, default=1, help="CPU engine servers to start (without --engine-url)")
+    p.add_argument("--num-engines", type=int, default=1, help="local engine servers to start (without --engine-url)")
     p.add_argument("--engine-device", default="cpu", help="device of the started engine servers: cpu, cuda, cuda:N")
     p.add_argument("--bucket-mb", type=float, default=0.05, help="small by default so several buckets are used")
     p.add_argument("--steps", type=int, default=2)
@@ -75,7 +75,7 @@ def main() -> int:
     launcher = None
     urls = list(args.engine_url)
     if rank0 and not urls:
-        launcher = EngineLauncher(backend="cpu", model_path=args.model_path, base_port=free_ports(args.num_engines),
+        launcher = EngineLauncher(backend="local", model_path=args.model_path, base_port=free_ports(args.num_engines),
                                   num_engines=args.num_engines, run_dir=tmp, startup_timeout_s=180,
                                   server_args={"device": args.engine_device, "dtype": "float32"})
         launcher.__enter__()

@@ -18,7 +18,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine-url", required=True, help="an SGLang-contract engine (SGLang, or the CPU engine server)")
+    p.add_argument("--engine-url", required=True, help="an SGLang-contract engine (SGLang, or the local engine server)")
     p.add_argument("--model-path", required=True, help="HF model directory: tokenizer and chat template")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--host", default="127.0.0.1")

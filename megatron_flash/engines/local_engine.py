@@ -1,10 +1,10 @@
-"""Generation engine of the CPU engine server: transformers continuous batching (CB) with SGLang sampling.
+"""Generation engine of the local engine server: transformers continuous batching (CB) with SGLang sampling.
 
-The HTTP layer (`cpu_server.py`) is thin; the SGLang contract lives here and beside it: sampling semantics
-in `sampling.py`, memory hand-off and weight updates in `cpu_engine_updates.py`, the CB manager, the
-in-step sampler and the pause holder in `cpu_engine_batching.py` (both mixins of this class), the
+The HTTP layer (`local_server.py`) is thin; the SGLang contract lives here and beside it: sampling semantics
+in `sampling.py`, memory hand-off and weight updates in `local_engine_updates.py`, the CB manager, the
+in-step sampler and the pause holder in `local_engine_batching.py` (both mixins of this class), the
 accepted weight payloads in `weight_payloads.py`. Why the engine samples inside CB's step, rather than
-letting CB sample: `cpu_engine_batching.py`.
+letting CB sample: `local_engine_batching.py`.
 
     HTTP coroutine ──admit (waits while paused / updating)──► _Request ──add_request──► CB manager thread
          ▲                                                                               │ paged KV, scheduling,
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from megatron_flash.engines.cpu_engine_batching import ContinuousBatchingHooks, PauseHolder
-from megatron_flash.engines.cpu_engine_updates import EngineUpdates
+from megatron_flash.engines.local_engine_batching import ContinuousBatchingHooks, PauseHolder
+from megatron_flash.engines.local_engine_updates import EngineUpdates
 from megatron_flash.engines.cuda_handles import device_uuid
 from megatron_flash.engines.routed_experts import RouteRecorder, encoded_routes
 from megatron_flash.engines.shared_weights import SharedBufferMaps
@@ -60,7 +60,7 @@ class _Request:
         self.cb_id: str | None = None  # id of the current CB submission, None when not inside CB
         self.num_submissions = 0
         self.num_retractions = 0
-        self.kv_tokens = 0  # KV reserved for this request (see CpuEngine._kv_need), 0 once released
+        self.kv_tokens = 0  # KV reserved for this request (see LocalEngine._kv_need), 0 once released
         self.version_events: list[tuple[str, int]] = []  # (version before a change, tokens generated under it)
         self.routes: torch.Tensor | None = None  # MoE routing table when asked (see routed_experts.py)
         self.created = time.perf_counter()
@@ -93,7 +93,7 @@ def _version_spans(events: list[tuple[str, int]], current: str, num_tokens: int)
     return [{"version": v, "start": s, "end": min(e, num_tokens)} for v, s, e in visible]
 
 
-class CpuEngine(EngineUpdates, ContinuousBatchingHooks):
+class LocalEngine(EngineUpdates, ContinuousBatchingHooks):
     """SGLang-contract generation engine on transformers continuous batching (any torch device and
     dtype: CPU fp32 by default; `device="cuda", dtype="bfloat16"` on a GPU).
 
@@ -397,7 +397,7 @@ class CpuEngine(EngineUpdates, ContinuousBatchingHooks):
             self._manager.stop(block=True, timeout=10, hard_stop=True)
 
 
-def model_summary(engine: CpuEngine) -> dict:
+def model_summary(engine: LocalEngine) -> dict:
     """GET /model_info, with SGLang 0.5.23's keys."""
     return {
         "model_path": engine.model_path,

@@ -1,11 +1,11 @@
-"""CPU engine server: SGLang 0.5.23's native HTTP API over `CpuEngine` (transformers continuous batching).
+"""local engine server: SGLang 0.5.23's native HTTP API over `LocalEngine` (transformers continuous batching).
 
-    python -m megatron_flash.engines.cpu_server --model-path runs/tiny_model --port 30000
-    python -m megatron_flash.engines.cpu_server --model-path DIR --port N --host 0.0.0.0 --api-key KEY
-    python -m megatron_flash.engines.cpu_server --model-path DIR --device cuda --dtype bfloat16   # on a GPU
+    python -m megatron_flash.engines.local_server --model-path runs/tiny_model --port 30000
+    python -m megatron_flash.engines.local_server --model-path DIR --port N --host 0.0.0.0 --api-key KEY
+    python -m megatron_flash.engines.local_server --model-path DIR --device cuda --dtype bfloat16   # on a GPU
 
 Request and response JSON follow SGLang (see docs/engines.md for the fields and the few deviations), so
-one client drives both. The routes (cpu_routes.py) are thin: parse, call the engine, shape SGLang's
+one client drives both. The routes (local_routes.py) are thin: parse, call the engine, shape SGLang's
 response; /generate's parsing and replies are generate_request.py; this module builds the app, guards
 it and runs it.
 
@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Any
 
-logger = logging.getLogger("megatron_flash.cpu_server")
+logger = logging.getLogger("megatron_flash.local_server")
 
 _WEIGHT_ENDPOINTS = ("/update_weights_from_tensor", "/update_weights_from_disk", "/init_weights_update_group",
                      "/update_weights_from_distributed", "/destroy_weights_update_group",
@@ -40,15 +40,15 @@ def _is_loopback(host: str) -> bool:
 
 
 def build_app(engine: Any, *, api_key: str | None = None, host: str = "127.0.0.1") -> Any:
-    """The FastAPI app serving `engine` (a `CpuEngine`): cpu_routes.py's routes behind the auth guard."""
+    """The FastAPI app serving `engine` (a `LocalEngine`): local_routes.py's routes behind the auth guard."""
     from fastapi import FastAPI
 
-    from megatron_flash.engines import cpu_routes
+    from megatron_flash.engines import local_routes
 
     app = FastAPI()
     app.state.engine = engine
-    app.include_router(cpu_routes.router)
-    app.add_exception_handler(cpu_routes.BodyError, cpu_routes.on_body_error)
+    app.include_router(local_routes.router)
+    app.add_exception_handler(local_routes.BodyError, local_routes.on_body_error)
     app.add_middleware(Authorize, api_key=api_key,
                        weight_updates_exposed=api_key is not None or _is_loopback(host))
     return app
@@ -116,13 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing
     import uvicorn
 
-    from megatron_flash.engines.cpu_engine import CpuEngine
+    from megatron_flash.engines.local_engine import LocalEngine
 
     torch.set_num_threads(args.num_threads)
     # Tensors of /update_weights_from_tensor arrive as shared-memory files (file_descriptor crashes here).
     torch.multiprocessing.set_sharing_strategy("file_system")
     try:
-        engine = CpuEngine(model_path=args.model_path, num_blocks=args.num_blocks, page_size=args.page_size,
+        engine = LocalEngine(model_path=args.model_path, num_blocks=args.num_blocks, page_size=args.page_size,
                            max_batch_tokens=args.max_batch_tokens, seed=args.seed, device=args.device,
                            dtype=args.dtype)
     except Exception as error:

@@ -1,5 +1,5 @@
 """The local engine's memory hand-off (colocated mode) and weight updates, as SGLang's endpoints
-behave: a mixin of `CpuEngine` (engines/cpu_engine.py), which owns the state it uses: `model`, the CB
+behave: a mixin of `LocalEngine` (engines/local_engine.py), which owns the state it uses: `model`, the CB
 `_manager` and its factory, `_gate` / `_update_lock` / `_lock`, `_live` requests, `_paused`,
 `_released` tags, the weight-update `_groups` and `_session_open`.
 

@@ -1,6 +1,6 @@
 """The local engine's hooks into transformers' continuous batching (CB): the CB manager it runs, the
 logits processor that samples inside each CB step, and the thread that holds CB's `pause()`. A mixin
-of `CpuEngine` (engines/cpu_engine.py), which owns the state used here: `model`, `eos_ids`,
+of `LocalEngine` (engines/local_engine.py), which owns the state used here: `model`, `eos_ids`,
 `step_profile`, `route_recorder`, `_lock`, the `_by_cb_id` requests and `_release_kv`.
 
 Why a sampler inside CB: CB's own sampling reports logprobs of the *processed* logits and decides greedy

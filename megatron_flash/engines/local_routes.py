@@ -1,5 +1,5 @@
-"""The CPU engine server's routes (SGLang 0.5.23's native API), one small function each, over the
-`CpuEngine` in `request.app.state.engine`. Replies take SGLang's shapes: `{"success", "message"}` for
+"""The local engine server's routes (SGLang 0.5.23's native API), one small function each, over the
+`LocalEngine` in `request.app.state.engine`. Replies take SGLang's shapes: `{"success", "message"}` for
 weight and control calls, `{"error": {"message"}}` (400) for a bad /generate, FastAPI's validation
 shape (400) for a body that is not a JSON object or lacks a required field.
 """
@@ -67,7 +67,7 @@ async def health(request: Request) -> Response:
 @router.get("/model_info")
 @router.get("/get_model_info")
 async def model_info(request: Request) -> dict:
-    from megatron_flash.engines.cpu_engine import model_summary
+    from megatron_flash.engines.local_engine import model_summary
 
     return model_summary(engine_of(request))
 

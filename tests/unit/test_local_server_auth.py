@@ -1,4 +1,4 @@
-"""The CPU engine server's refusals, checked on the ASGI app in process:
+"""The local engine server's refusals, checked on the ASGI app in process:
 a token as SGLang's --api-key (`Authorization: Bearer KEY`, 401 without it), and weight endpoints
 refused (403) on a non-loopback host without a key. Requests that pass reach the endpoints."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
-from megatron_flash.engines.cpu_server import build_app
+from megatron_flash.engines.local_server import build_app
 
 
 class Healthy:
@@ -54,7 +54,7 @@ def test_weight_endpoints_are_refused_off_loopback_without_a_key(path):
 def test_device_and_dtype_are_checked_with_the_flag_named():
     import torch
 
-    from megatron_flash.engines.cpu_engine import engine_device, engine_dtype
+    from megatron_flash.engines.local_engine import engine_device, engine_dtype
 
     assert engine_dtype("bfloat16") is torch.bfloat16 and engine_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="--dtype must be one of float32, bfloat16, float16, got 'int8'"):

@@ -49,6 +49,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.trainer_throughput import PRESETS  # noqa: E402  (the same Qwen2.5 shapes as the trainer's rows)
+
 
 def step_profile(url: str) -> dict:
     import requests
@@ -56,13 +58,14 @@ def step_profile(url: str) -> dict:
     return requests.get(f"{url}/get_server_info", timeout=30).json().get("step_profile") or {"steps": 0}
 
 
-async def timed(url: str, k: int, length: int) -> float:
+async def timed(url: str, k: int, length: int, prompt_len: int = 4) -> float:
     from megatron_flash.engines.client import EngineClient
 
     params = {"temperature": 1.0, "max_new_tokens": length, "ignore_eos": True}
     async with EngineClient(url) as client:
         t0 = time.perf_counter()
-        outs = await asyncio.gather(*(client.generate([1, 5, 6, 7], params, return_logprob=True) for _ in range(k)))
+        prompts = [[1] + [4 + (i * 7 + j) % 40 for j in range(prompt_len - 1)] for i in range(k)]  # distinct
+        outs = await asyncio.gather(*(client.generate(prompt, params, return_logprob=True) for prompt in prompts))
         took = time.perf_counter() - t0
     assert all(len(o.output_ids) == length for o in outs)
     return took
@@ -120,7 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="local engine device: cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="", help="local engine dtype (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--model-path", default="", help="serve this HF model instead of a tiny one")
+    p.add_argument("--preset", default="", choices=["", *PRESETS],
+                   help="a Qwen2.5-shaped model with random weights (0.5b, 1.5b), bf16, 4096 positions")
+    p.add_argument("--decoder", default="static",
+                   help="local engine decoders to measure one after the other, e.g. static,cb (same model and load)")
+    p.add_argument("--prompt-len", type=int, default=4,
+                   help="prompt tokens of the k concurrent requests (the context each decode step attends to)")
+    p.add_argument("--no-cuda-graph", action="store_true", help="static decoder on CUDA: eager steps")
     args = p.parse_args(argv)
+    decoders = [d for d in args.decoder.split(",") if d]
+    if any(d not in ("static", "cb") for d in decoders):
+        p.error(f"--decoder {args.decoder!r}: each must be static or cb")
 
     from benchmarks.benchlib import env, free_ports
     from megatron_flash.engines.step_profile import per_step
@@ -128,9 +141,15 @@ def main(argv: list[str] | None = None) -> int:
 
     work = tempfile.mkdtemp(prefix="mf_step_cost_")
     model = args.model_path or os.path.join(work, "model")
+    shape = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size)]
+    if args.preset:
+        arch, layers, hidden, heads, kv, ffn, vocab = PRESETS[args.preset]
+        args.num_layers, args.hidden_size, args.vocab_size = layers, hidden, vocab
+        shape = ["--arch", arch, "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-heads", str(heads),
+                 "--num-kv-heads", str(kv), "--intermediate-size", str(ffn)]
     if not args.model_path:
-        subprocess.run([sys.executable, os.path.join(REPO, "tools/make_tiny_model.py"), "--out", model, "--num-layers",
-                        str(args.num_layers), "--hidden-size", str(args.hidden_size)]
+        subprocess.run([sys.executable, os.path.join(REPO, "tools/make_tiny_model.py"), "--out", model, *shape,
+                        "--max-positions", "4096"]
                        + (["--vocab-size", str(args.vocab_size)] if args.vocab_size else []), check=True, env=env(),
                        stdout=subprocess.DEVNULL)
     ks = [] if args.skip_batch else [int(x) for x in args.k.split(",")]
@@ -139,21 +158,46 @@ def main(argv: list[str] | None = None) -> int:
     loop_ps = [int(x) for x in args.loop_prompt_len.split(",") if x]
     if any(x < 1 for x in loop_ps):
         p.error(f"--loop-prompt-len {args.loop_prompt_len!r}: lengths must be >= 1")
+    results = {decoder: measure(args, decoder, model, work, ks, loop_ks, loop_ns, loop_ps) for decoder in decoders}
+    first = results[decoders[0]]
+    print(json.dumps({"num_layers": args.num_layers, "hidden_size": args.hidden_size, "vocab_size": args.vocab_size,
+                      "preset": args.preset or None, "prompt_len": args.prompt_len, "device": args.device,
+                      "decoder": decoders[0], **first,
+                      "by_decoder": results if len(decoders) > 1 else None,
+                      "load_avg_1m": os.getloadavg()[0]}))
+    return 0
+
+
+def measure(args: argparse.Namespace, decoder: str, model: str, work: str, ks: list[int], loop_ks: list[int],
+            loop_ns: list[int], loop_ps: list[int]) -> dict:
+    """One engine server with `decoder`: the batch rows (step and per-request cost per k) and the closed loops."""
+    from benchmarks.benchlib import free_ports
+    from megatron_flash.engines.launcher import EngineLauncher
+    from megatron_flash.engines.step_profile import per_step
+
+    print(f"-- decoder {decoder}", flush=True)
     most = max(ks + [k * max(loop_ns) for k in loop_ks])
-    blocks = most * -(-(max(4, *loop_ps) + args.long) // 16) + 16
-    launcher = EngineLauncher(backend="local", model_path=model, num_engines=1, base_port=free_ports(1), run_dir=work,
-                              server_args={"num-blocks": blocks,
-                                           "max-batch-tokens": args.max_batch_tokens or max(256, most * 4),
-                                           "device": args.device,
-                                           "dtype": args.dtype or ("float32" if args.device == "cpu" else "bfloat16")},
+    longest = max(4, args.prompt_len, *loop_ps) + args.long
+    server_args = {"decoder": decoder, "device": args.device,
+                   "dtype": args.dtype or ("float32" if args.device == "cpu" else "bfloat16")}
+    if decoder == "cb":
+        server_args.update({"num-blocks": most * -(-longest // 16) + 16,
+                            "max-batch-tokens": args.max_batch_tokens or max(256, most * 4)})
+    else:
+        server_args.update({"max-running-requests": most, "context-length": longest + 8})
+        if args.no_cuda_graph:
+            server_args["disable-cuda-graph"] = True
+    launcher = EngineLauncher(backend="local", model_path=model, num_engines=1, base_port=free_ports(1),
+                              run_dir=os.path.join(work, decoder), server_args=server_args,
                               env={"OMP_NUM_THREADS": "1"})
     step, per_req, phases = {}, {}, {}
     with launcher:
         url = launcher.urls[0]
-        asyncio.run(timed(url, 4, 8))  # warm-up
+        for k in sorted({4, *ks}):  # warm-up: on CUDA the static decoder captures a graph per row bucket
+            asyncio.run(timed(url, k, args.long, args.prompt_len))
         for k in ks:
             before = step_profile(url)
-            t = {L: statistics.median(asyncio.run(timed(url, k, L)) for _ in range(args.repeats))
+            t = {L: statistics.median(asyncio.run(timed(url, k, L, args.prompt_len)) for _ in range(args.repeats))
                  for L in (args.short, args.long)}
             step[k] = (t[args.long] - t[args.short]) / (args.long - args.short)
             per_req[k] = max(0.0, t[args.short] - args.short * step[k]) / k
@@ -185,13 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['loop_per_request_s'] * 1e3:.2f} ms (CPU {row['loop_cpu_per_request_s'] * 1e3:.2f}), "
                   f"step {row['loop_step_s'] * 1e3:.2f} ms (CPU {row['loop_cpu_step_s'] * 1e3:.2f}), "
                   f"engine busy {row['engine_busy_frac']:.2f}", flush=True)
-    print(json.dumps({"num_layers": args.num_layers, "hidden_size": args.hidden_size, "vocab_size": args.vocab_size,
-                      "step_s": {str(k): round(v, 6) for k, v in step.items()},
-                      "per_request_s": {str(k): round(v, 6) for k, v in per_req.items()}, "closed_loop": loop,
-                      "step_profile": {str(k): {key: round(v, 7) for key, v in row.items()}
-                                       for k, row in phases.items()},
-                      "load_avg_1m": os.getloadavg()[0]}))
-    return 0
+    return {"step_s": {str(k): round(v, 6) for k, v in step.items()},
+            "per_request_s": {str(k): round(v, 6) for k, v in per_req.items()}, "closed_loop": loop,
+            "step_profile": {str(k): {key: round(v, 7) for key, v in row.items()} for k, row in phases.items()}}
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def build_tokenizer(chat: bool = False) -> Any:
 
 def hf_config(*, arch: str, vocab_size: int, tie: bool, num_layers: int = 2, hidden_size: int = 64,
               num_experts: int = 8, top_k: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-              intermediate_size: int = 0) -> dict[str, Any]:
+              intermediate_size: int = 0, max_positions: int = 256) -> dict[str, Any]:
     if hidden_size % (4 * num_heads) or num_heads % num_kv_heads:
         raise ValueError(f"--hidden-size must be a multiple of 4 × --num-heads (heads of a multiple of 4 dims) and "
                          f"--num-heads a multiple of --num-kv-heads, got {hidden_size}, {num_heads}, {num_kv_heads}")
@@ -96,7 +96,7 @@ def hf_config(*, arch: str, vocab_size: int, tie: bool, num_layers: int = 2, hid
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
-        "max_position_embeddings": 256,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "hidden_act": "silu",
@@ -127,7 +127,8 @@ def hf_config(*, arch: str, vocab_size: int, tie: bool, num_layers: int = 2, hid
 
 def make_model(*, out: str, arch: str, seed: int, tie: bool | None, num_layers: int = 2,
                hidden_size: int = 64, num_experts: int = 8, top_k: int = 2, chat: bool = False,
-               vocab_size: int = 0, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 0) -> None:
+               vocab_size: int = 0, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 0,
+               max_positions: int = 256) -> None:
     import torch
     import transformers
 
@@ -140,7 +141,7 @@ def make_model(*, out: str, arch: str, seed: int, tie: bool | None, num_layers: 
     vocab_size = max(vocab_size, tokenizer.get_vocab_size())
     config_dict = hf_config(arch=arch, vocab_size=vocab_size, tie=tie, num_layers=num_layers, hidden_size=hidden_size,
                             num_experts=num_experts, top_k=top_k, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                            intermediate_size=intermediate_size)
+                            intermediate_size=intermediate_size, max_positions=max_positions)
     eos = "<|im_end|>" if chat else "</s>"
     config_dict["eos_token_id"] = tokenizer.token_to_id(eos)
 
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=2, help="qwen3_moe: experts per token")
     parser.add_argument("--chat", action="store_true", help="the chat/tool-calling variant (see above)")
     parser.add_argument("--vocab-size", type=int, default=0, help="model vocabulary (default: the tokenizer's)")
+    parser.add_argument("--max-positions", type=int, default=256, help="max_position_embeddings (context length)")
     tie = parser.add_mutually_exclusive_group()
     tie.add_argument("--tie-embeddings", dest="tie", action="store_true", default=None)
     tie.add_argument("--untie-embeddings", dest="tie", action="store_false")
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     make_model(out=args.out, arch=args.arch, seed=args.seed, tie=args.tie, num_layers=args.num_layers,
                hidden_size=args.hidden_size, num_experts=args.num_experts, top_k=args.top_k, chat=args.chat,
                vocab_size=args.vocab_size, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
-               intermediate_size=args.intermediate_size)
+               intermediate_size=args.intermediate_size, max_positions=args.max_positions)
     print(json.dumps({"out": os.path.abspath(args.out), "arch": args.arch, "seed": args.seed}))
     return 0
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from megatron_flash.engines.local_engine_batching import ContinuousBatchingHooks, PauseHolder
+from megatron_flash.engines.local_engine_batching import CBDecoder, DecodingHooks, PauseHolder
 from megatron_flash.engines.local_engine_updates import EngineUpdates
 from megatron_flash.engines.cuda_handles import device_uuid
 from megatron_flash.engines.routed_experts import RouteRecorder, encoded_routes
@@ -93,15 +93,17 @@ def _version_spans(events: list[tuple[str, int]], current: str, num_tokens: int)
     return [{"version": v, "start": s, "end": min(e, num_tokens)} for v, s, e in visible]
 
 
-class LocalEngine(EngineUpdates, ContinuousBatchingHooks):
+class LocalEngine(EngineUpdates, DecodingHooks):
     """SGLang-contract generation engine on transformers continuous batching (any torch device and
     dtype: CPU fp32 by default; `device="cuda", dtype="bfloat16"` on a GPU).
 
     All public coroutines run on one asyncio loop; the CB loop runs in its own thread.
     """
 
-    def __init__(self, *, model_path: str, num_blocks: int = 64, page_size: int = 16, max_batch_tokens: int = 256,
-                 seed: int | None = None, device: str = "cpu", dtype: str = "float32") -> None:
+    def __init__(self, *, model_path: str, decoder: str = "static", num_blocks: int = 64, page_size: int = 16,
+                 max_batch_tokens: int = 256, max_running_requests: int = 64, context_length: int | None = None,
+                 max_prefill_tokens: int = 8192, cuda_graphs: bool = True, seed: int | None = None,
+                 device: str = "cpu", dtype: str = "float32") -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         if not os.path.isfile(os.path.join(model_path, "config.json")):
@@ -123,16 +125,26 @@ class LocalEngine(EngineUpdates, ContinuousBatchingHooks):
         self.vocab_size = int(self.hf_config.get_text_config().vocab_size)
         eos = [self.model.generation_config.eos_token_id, self.hf_config.eos_token_id]
         self.eos_ids = frozenset(t for e in eos for t in ([e] if isinstance(e, int) else (e or [])) if t >= 0)
+        if decoder not in DECODERS:
+            raise ValueError(f"--decoder must be one of {', '.join(DECODERS)}, got {decoder!r}")
         max_positions = getattr(self.hf_config.get_text_config(), "max_position_embeddings", None) or 1 << 30
-        self.capacity = min(num_blocks * page_size, int(max_positions))
-        self.num_blocks, self.page_size, self.max_batch_tokens = num_blocks, page_size, max_batch_tokens
+        self.decoder = decoder
+        if decoder == "static":
+            # one slot per running request, each as long as a request may be; the gate counts slots
+            self.capacity = min(context_length or num_blocks * page_size, int(max_positions))
+            self.page_size = self.capacity
+            self._kv_capacity = max_running_requests * self.capacity
+        else:
+            self.capacity = min(num_blocks * page_size, int(max_positions))
+            self.page_size = page_size
+            self._kv_capacity = num_blocks * page_size
+        self.num_blocks, self.max_batch_tokens = num_blocks, max_batch_tokens
         self.weight_version = "default"
         self.load_format = "auto"
 
         self._lock = threading.Lock()  # guards _by_cb_id, the token lists of requests and _kv_reserved
         # Admission control: transformers' batcher fails requests (and may wedge) when the running requests
-        # need more KV than the cache holds, so a request enters CB only once its worst case fits.
-        self._kv_capacity = num_blocks * page_size
+        # need more KV than the cache holds, so a request enters the decoder only once its worst case fits.
         self._kv_reserved = 0
         self._by_cb_id: dict[str, _Request] = {}
         self._live: dict[str, _Request] = {}
@@ -153,9 +165,21 @@ class LocalEngine(EngineUpdates, ContinuousBatchingHooks):
 
         self.step_profile = StepProfile()
         self.route_recorder = RouteRecorder(self.model, self._routes_of)
-        self._new_manager = self._manager_factory(num_blocks=num_blocks, page_size=page_size,
-                                                  max_batch_tokens=max_batch_tokens, seed=seed)
-        self._manager = self._new_manager()
+        def new_decoder() -> Any:  # the KV cache lives in the decoder: made again on resume
+            if decoder == "static":
+                from megatron_flash.engines.static_decoder import StaticDecoder
+
+                made: Any = StaticDecoder(self, num_slots=max_running_requests, slot_len=self.capacity, seed=seed,
+                                          max_prefill_tokens=max(max_prefill_tokens, self.capacity),
+                                          use_graphs=cuda_graphs)
+            else:
+                made = CBDecoder(self, num_blocks=num_blocks, page_size=page_size,
+                                 max_batch_tokens=max_batch_tokens, seed=seed)
+            made.start()
+            return made
+
+        self._new_decoder = new_decoder
+        self._decoder = self._new_decoder()
 
     # ------------------------------------------------------------------ event loop: requests
     def _ensure_loop_state(self) -> None:
@@ -166,7 +190,7 @@ class LocalEngine(EngineUpdates, ContinuousBatchingHooks):
     def healthy(self) -> bool:
         if "kv_cache" in self._released:  # asleep on purpose (colocated training holds the device)
             return True
-        return self._manager.is_running()
+        return self._decoder.is_running()
 
     def validate(self, prompt_ids: list[int], spec: SamplingSpec) -> None:
         """Per-request checks that SGLang does in its tokenizer manager (messages mirror SGLang's)."""
@@ -249,23 +273,12 @@ class LocalEngine(EngineUpdates, ContinuousBatchingHooks):
         return req
 
     def _submit(self, req: _Request) -> None:
-        from transformers.generation.continuous_batching.requests import RequestStatus
-
         cb_id = f"{req.rid}#{req.num_submissions}"
         req.num_submissions += 1
         with self._lock:
             self._by_cb_id[cb_id] = req
             req.cb_id = cb_id
-
-        def on_output(output: Any) -> None:  # only failures matter: tokens and finishes come from the sampler
-            if output.status == RequestStatus.FAILED:
-                self._finalize(req, abort_reason(f"generation failed: {output.error}", 500, "InternalServerError"))
-
-        self._manager.register_result_handler(cb_id, on_output)
-        remaining = req.spec.max_new_tokens - len(req.output_ids)
-        added = self._manager.add_request(req.prompt_ids + req.output_ids, request_id=cb_id, max_new_tokens=remaining,
-                                          eos_token_id=sorted(req.stop_ids) or -1, streaming=False)
-        if added is None:
+        if not self._decoder.add(cb_id, req, req.prompt_ids + req.output_ids):
             reason = abort_reason("the generation loop is not accepting requests", 503, "ServiceUnavailable")
             self._finalize(req, reason)
 
@@ -275,10 +288,7 @@ class LocalEngine(EngineUpdates, ContinuousBatchingHooks):
             return
         cb_id, req.cb_id = req.cb_id, None
         self._by_cb_id.pop(cb_id, None)
-        self._manager.cancel_request(cb_id)
-        router = self._manager.output_router  # cancelled requests never deliver: drop their handler
-        with router._lock:
-            router.result_handlers.pop(cb_id, None)
+        self._decoder.cancel(cb_id)
 
     def _finalize(self, req: _Request, finish: dict) -> None:
         with self._lock:
@@ -289,6 +299,11 @@ class LocalEngine(EngineUpdates, ContinuousBatchingHooks):
         req.done.set()
         if req.progress is not None:
             req.progress.set()
+
+    def _fail(self, req: _Request, error: Any) -> None:
+        """The decoder could not generate for `req` (any thread): it ends with a 500 abort."""
+        req.loop.call_soon_threadsafe(self._finalize, req,
+                                      abort_reason(f"generation failed: {error}", 500, "InternalServerError"))
 
     def release(self, req: _Request) -> None:
         """Forget a request once its response is built."""
@@ -356,10 +371,10 @@ class LocalEngine(EngineUpdates, ContinuousBatchingHooks):
         if mode == "abort":
             self.abort(abort_all=True)
             return
-        if self._manager is None:  # KV cache released: nothing is running
+        if self._decoder is None:  # KV cache released: nothing is running
             return
         if self._pause_holder is None:
-            holder = PauseHolder(self._manager)
+            holder = PauseHolder(self._decoder)
             await holder.acquire()
             self._pause_holder = holder
         if mode == "retract":
@@ -393,8 +408,8 @@ class LocalEngine(EngineUpdates, ContinuousBatchingHooks):
     def shutdown(self) -> None:
         if self._pause_holder is not None:
             self._pause_holder.release()
-        if self._manager is not None and self._manager.is_running():
-            self._manager.stop(block=True, timeout=10, hard_stop=True)
+        if self._decoder is not None and self._decoder.is_running():
+            self._decoder.stop(block=True, timeout=10, hard_stop=True)
 
 
 def model_summary(engine: LocalEngine) -> dict:
@@ -418,6 +433,7 @@ def model_summary(engine: LocalEngine) -> dict:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+DECODERS = ("static", "cb")
 
 
 def engine_dtype(name: str) -> torch.dtype:

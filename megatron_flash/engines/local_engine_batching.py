@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -86,12 +86,12 @@ class PauseHolder:
         self._release.set()
 
 
-class ContinuousBatchingHooks:
-    """The CB manager's factory and what runs on the CB thread: route lookup and the sampling step."""
+class CBDecoder:
+    """transformers' CB manager behind the decoder protocol the engine drives (`add`, `cancel`,
+    `pause`, `is_running`, `start`, `stop`, `reset_graphs`; the static decoder has the same)."""
 
-    def _manager_factory(self, *, num_blocks: int, page_size: int, max_batch_tokens: int,
-                         seed: int | None) -> Callable[[], Any]:
-        """The function that makes and starts a CB manager with the sampler and the route recorder in it."""
+    def __init__(self, engine: Any, *, num_blocks: int, page_size: int, max_batch_tokens: int,
+                 seed: int | None) -> None:
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
         from transformers.generation.continuous_batching.cb_logits_processors import (
@@ -99,13 +99,14 @@ class ContinuousBatchingHooks:
         )
         from transformers.generation.logits_process import LogitsProcessorList
 
-        generation_config = GenerationConfig(do_sample=False, eos_token_id=sorted(self.eos_ids) or -1)
+        self.engine = engine
+        generation_config = GenerationConfig(do_sample=False, eos_token_id=sorted(engine.eos_ids) or -1)
         cb_config = ContinuousBatchingConfig(
             num_blocks=num_blocks, page_size=page_size, max_batch_tokens=max_batch_tokens,
             allow_block_sharing=False,  # no prefix cache: KV written under old weights is never reused
             use_async_batching=False, use_cuda_graph=False, return_logprobs=False, seed=seed,
         )
-        recorder = self.route_recorder
+        recorder = engine.route_recorder
 
         class _Processors(ContinuousBatchingLogitsProcessorList):
             # CB hands the whole step's requests only here, before the forward: the route recorder
@@ -114,20 +115,53 @@ class ContinuousBatchingHooks:
                 recorder.note_batch(requests_in_batch)
                 return super().prepare_tensor_args(requests_in_batch, arg_storage)
 
-        def new_manager() -> Any:  # the paged KV cache lives in the CB manager: made again on resume
-            manager = self.model.init_continuous_batching(generation_config=generation_config,
-                                                          continuous_batching_config=cb_config)
-            processors = _Processors(LogitsProcessorList([_make_sampler_processor(self)]))
-            processors.tensors_required = 1  # one int32 row of per-request arguments (unused; rows come from prepare)
-            manager.logit_processor = processors
-            self.step_profile.install(manager)
-            manager.start()
-            return manager
+        self.manager = engine.model.init_continuous_batching(generation_config=generation_config,
+                                                             continuous_batching_config=cb_config)
+        processors = _Processors(LogitsProcessorList([_make_sampler_processor(engine)]))
+        processors.tensors_required = 1  # one int32 row of per-request arguments (unused; rows come from prepare)
+        self.manager.logit_processor = processors
+        engine.step_profile.install(self.manager)
 
-        return new_manager
+    def start(self) -> None:
+        self.manager.start()
+
+    def is_running(self) -> bool:
+        return self.manager.is_running()
+
+    def stop(self, **kwargs: Any) -> None:
+        self.manager.stop(**kwargs)
+
+    def pause(self) -> Any:
+        return self.manager.pause()
+
+    def reset_graphs(self) -> None:  # CB runs without CUDA graphs here
+        pass
+
+    def add(self, cb_id: str, req: Any, token_ids: list[int]) -> bool:
+        from transformers.generation.continuous_batching.requests import RequestStatus
+
+        def on_output(output: Any) -> None:  # only failures matter: tokens and finishes come from the sampler
+            if output.status == RequestStatus.FAILED:
+                self.engine._fail(req, output.error)
+
+        self.manager.register_result_handler(cb_id, on_output)
+        remaining = req.spec.max_new_tokens - len(req.output_ids)
+        added = self.manager.add_request(token_ids, request_id=cb_id, max_new_tokens=remaining,
+                                         eos_token_id=sorted(req.stop_ids) or -1, streaming=False)
+        return added is not None
+
+    def cancel(self, cb_id: str) -> None:
+        self.manager.cancel_request(cb_id)
+        router = self.manager.output_router  # cancelled requests never deliver: drop their handler
+        with router._lock:
+            router.result_handlers.pop(cb_id, None)
+
+
+class DecodingHooks:
+    """What runs on the decoder's thread: route lookup, CB's sampling step, and recording tokens."""
 
     def _routes_of(self, cb_id: str) -> torch.Tensor | None:
-        req = self._by_cb_id.get(cb_id)  # read without the lock: the CB thread is the only writer of rows
+        req = self._by_cb_id.get(cb_id)  # read without the lock: the decoder thread is the only writer of rows
         return None if req is None else req.routes
 
     # ------------------------------------------------------------------ CB thread: sampling
@@ -135,33 +169,36 @@ class ContinuousBatchingHooks:
     def _sample_step(self, cb_ids: list[str], scores: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
         try:
-            return self._sample_and_record(cb_ids, scores)
+            with self._lock:
+                reqs = [self._by_cb_id.get(cb_id) for cb_id in cb_ids]
+            specs = [None if r is None else r.spec for r in reqs]
+            banned = [sorted(r.stop_ids) if r is not None and len(r.output_ids) < r.spec.min_new_tokens else []
+                      for r in reqs]
+            tokens, logprobs = sample_rows(scores, specs, [None if r is None else r.generator for r in reqs], banned)
+            picked = logprobs.gather(1, tokens.view(-1, 1))[:, 0].tolist()  # one device→host copy per step
+            self._record(cb_ids, tokens.tolist(), picked)
+            # In place: CB reads these logits only through what this processor returns.
+            return scores.fill_(float("-inf")).scatter_(1, tokens.view(-1, 1), 0.0)
         finally:
             self.step_profile.add_sampler(time.perf_counter() - started)
 
-    def _sample_and_record(self, cb_ids: list[str], scores: torch.Tensor) -> torch.Tensor:
-        with self._lock:
-            reqs = [self._by_cb_id.get(cb_id) for cb_id in cb_ids]
-        specs = [None if r is None else r.spec for r in reqs]
-        banned = [sorted(r.stop_ids) if r is not None and len(r.output_ids) < r.spec.min_new_tokens else []
-                  for r in reqs]
-        tokens, logprobs = sample_rows(scores, specs, [None if r is None else r.generator for r in reqs], banned)
-        picked = logprobs.gather(1, tokens.view(-1, 1))[:, 0].tolist()  # one device→host copy per step, not per row
-        token_ids = tokens.tolist()
-
+    def _record(self, cb_ids: list[str], token_ids: list[int], logprobs: list[float]) -> None:
+        """Append one token per request (cb_ids no longer live are skipped) and decide finishes; a finished
+        request leaves the decoder (CB ends it in the same step: same eos set and budget; the static
+        decoder frees its slot on its next pass)."""
         touched = []
         with self._lock:
-            for i, req in enumerate(reqs):
-                if req is None or req.finish is not None or req.cb_id != cb_ids[i]:
+            for cb_id, token, logprob in zip(cb_ids, token_ids, logprobs):
+                req = self._by_cb_id.get(cb_id)
+                if req is None or req.finish is not None or req.cb_id != cb_id:
                     continue
-                token = token_ids[i]
                 req.output_ids.append(token)
-                req.logprobs.append(picked[i])
+                req.logprobs.append(logprob)
                 if token in req.stop_ids:
                     req.finish = {"type": "stop", "matched": token}
                 elif len(req.output_ids) >= req.spec.max_new_tokens:
                     req.finish = {"type": "length", "length": req.spec.max_new_tokens}
-                if req.finish is not None:  # CB ends it in this same step (same eos set and budget)
+                if req.finish is not None:
                     self._by_cb_id.pop(req.cb_id, None)
                     req.cb_id = None
                     self._release_kv(req)
@@ -169,5 +206,3 @@ class ContinuousBatchingHooks:
         for req in touched:
             if req.finish is not None or req.progress is not None:
                 req.notify()
-        # In place: CB reads these logits only through what this processor returns.
-        return scores.fill_(float("-inf")).scatter_(1, tokens.view(-1, 1), 0.0)

@@ -1,6 +1,6 @@
 """The local engine's memory hand-off (colocated mode) and weight updates, as SGLang's endpoints
 behave: a mixin of `LocalEngine` (engines/local_engine.py), which owns the state it uses: `model`, the CB
-`_manager` and its factory, `_gate` / `_update_lock` / `_lock`, `_live` requests, `_paused`,
+`_decoder` and its factory, `_gate` / `_update_lock` / `_lock`, `_live` requests, `_paused`,
 `_released` tags, the weight-update `_groups` and `_session_open`.
 
 Updates run with SGLang's locking: immediately when generation is paused, otherwise after the in-flight
@@ -80,7 +80,7 @@ class EngineUpdates:
             self._released.update(tags)
             self.num_releases += 1
         if "kv_cache" in new:
-            manager, self._manager = self._manager, None
+            manager, self._decoder = self._decoder, None
             await asyncio.to_thread(manager.stop, block=True, timeout=10, hard_stop=True)
             del manager
         if "weights" in new:
@@ -106,8 +106,10 @@ class EngineUpdates:
                 for name, param in self.model.named_parameters():
                     shape, dtype = self._weight_meta.pop(name)
                     param.data = torch.zeros(shape, dtype=dtype, device=self.device)
+            if self._decoder is not None:  # graphs captured before point at the released storage
+                self._decoder.reset_graphs()
         if "kv_cache" in tags:
-            self._manager = await asyncio.to_thread(self._new_manager)
+            self._decoder = await asyncio.to_thread(self._new_decoder)
         async with self._gate:
             self._released.difference_update(tags)
             self._gate.notify_all()
@@ -147,7 +149,7 @@ class EngineUpdates:
         """CB paused for the duration (nothing to pause while the KV cache, with its loop, is released)."""
         import contextlib
 
-        return contextlib.nullcontext() if self._manager is None else self._manager.pause()
+        return contextlib.nullcontext() if self._decoder is None else self._decoder.pause()
 
     async def _load_parked(self, load: Callable[[], str]) -> tuple[bool, str]:
         def parked() -> str:

@@ -77,8 +77,9 @@ async def model_info(request: Request) -> dict:
 async def server_info(request: Request) -> dict:
     engine = engine_of(request)
     return {"model_path": engine.model_path, "context_length": engine.capacity,
-            "max_total_num_tokens": engine.num_blocks * engine.page_size, "page_size": engine.page_size,
-            "max_batch_tokens": engine.max_batch_tokens, "weight_version": engine.weight_version,
+            "max_total_num_tokens": engine._kv_capacity, "page_size": engine.page_size,
+            "max_batch_tokens": engine.max_batch_tokens, "decoder": engine.decoder,
+            "max_running_requests": engine._kv_capacity // engine.page_size if engine.decoder == "static" else None, "weight_version": engine.weight_version,
             "version": "megatron-flash-cpu", "internal_states": [],
             "memory_released": sorted(engine._released), "memory_releases": engine.num_releases,
             "num_live_requests": len(engine._live),

@@ -93,9 +93,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (as SGLang)")
-    parser.add_argument("--num-blocks", type=int, default=64, help="KV cache blocks (of --page-size tokens)")
+    parser.add_argument("--decoder", default="static", choices=["static", "cb"],
+                        help="static: slot KV cache, one decode step for all running requests (CUDA graphs on a "
+                             "GPU); cb: transformers continuous batching (paged KV)")
+    parser.add_argument("--num-blocks", type=int, default=64,
+                        help="KV cache blocks (of --page-size tokens); static: --context-length defaults to "
+                             "num_blocks x page_size")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV cache block")
-    parser.add_argument("--max-batch-tokens", type=int, default=256, help="tokens per forward step")
+    parser.add_argument("--max-batch-tokens", type=int, default=256, help="cb: tokens per forward step")
+    parser.add_argument("--max-running-requests", type=int, default=64,
+                        help="static: KV slots, i.e. requests decoded together (more wait at admission)")
+    parser.add_argument("--context-length", type=int, default=None,
+                        help="static: tokens per slot = the longest prompt + max_new_tokens a request may have")
+    parser.add_argument("--max-prefill-tokens", type=int, default=8192,
+                        help="static: prompt tokens packed into one prefill forward")
+    parser.add_argument("--disable-cuda-graph", action="store_true",
+                        help="static on CUDA: decode eagerly instead of replaying captured steps")
     parser.add_argument("--seed", type=int, default=None, help="seed of the sampling RNG")
     parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--device", default="cpu", help="torch device of the model and its KV cache: cpu, cuda, cuda:N")
@@ -122,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     # Tensors of /update_weights_from_tensor arrive as shared-memory files (file_descriptor crashes here).
     torch.multiprocessing.set_sharing_strategy("file_system")
     try:
-        engine = LocalEngine(model_path=args.model_path, num_blocks=args.num_blocks, page_size=args.page_size,
-                           max_batch_tokens=args.max_batch_tokens, seed=args.seed, device=args.device,
-                           dtype=args.dtype)
+        engine = LocalEngine(model_path=args.model_path, decoder=args.decoder, num_blocks=args.num_blocks,
+                             page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
+                             max_running_requests=args.max_running_requests, context_length=args.context_length,
+                             max_prefill_tokens=args.max_prefill_tokens, cuda_graphs=not args.disable_cuda_graph,
+                             seed=args.seed, device=args.device, dtype=args.dtype)
     except Exception as error:
         print(f"error: cannot load model from {args.model_path!r}: {error}", file=sys.stderr)
         return 2

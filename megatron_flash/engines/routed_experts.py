@@ -62,6 +62,12 @@ class RouteRecorder:
         self._layout = [(fs.state.request_id, fs.state.position_offset - fs.query_length, fs.query_length)
                         for fs in requests_in_batch]
 
+    def note_layout(self, layout: list[tuple[str, int, int]]) -> None:
+        """The static decoder's layout of the next forward: (cb id, first position, tokens) per packed
+        run of rows, in row order ("" for a row no request owns)."""
+        if self.routers:
+            self._layout = list(layout)
+
     def _hook(self, layer: int) -> Callable[..., None]:
         def record(module: Any, inputs: Any, output: Any) -> None:
             if not self._layout:

@@ -28,6 +28,7 @@ class StepProfile:
         self._lock = threading.Lock()
         self.installed = False
         self.steps = 0
+        self.graphed_steps = 0  # static decoder: steps that replayed a CUDA graph
         self.loop_s = 0.0  # whole passes that ran a step
         self.step_s = 0.0  # _generation_step
         self.sampler_s = 0.0  # our logits processor, inside the step
@@ -65,6 +66,17 @@ class StepProfile:
         manager._generation_step, manager._generation_loop_body = timed_step, timed_body
         self.installed = True
 
+    def add_pass(self, *, steps: int, step_s: float, loop_s: float, sampler_s: float, graphed: int) -> None:
+        """One pass of a decoder that times itself (the static decoder: a prefill step and/or a decode step;
+        `graphed` of them replayed a CUDA graph, whose sampler is inside the replay and not timed apart)."""
+        with self._lock:
+            self.installed = True
+            self.graphed_steps += graphed
+            self.steps += steps
+            self.step_s += step_s
+            self.sampler_s += sampler_s
+            self.loop_s += loop_s
+
     def add_sampler(self, seconds: float) -> None:
         with self._lock:
             if self.installed:
@@ -74,7 +86,7 @@ class StepProfile:
 
     def snapshot(self) -> dict:
         with self._lock:
-            return {"installed": self.installed, "steps": self.steps, "loop_s": round(self.loop_s, 6),
+            return {"installed": self.installed, "steps": self.steps, "graphed_steps": self.graphed_steps, "loop_s": round(self.loop_s, 6),
                     "step_s": round(self.step_s, 6), "sampler_s": round(self.sampler_s, 6),
                     "host_s": round(self.loop_s - self.step_s, 6)}
 

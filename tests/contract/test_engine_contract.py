@@ -147,4 +147,6 @@ def test_local_engine_step_profile_counts_each_step_of_a_request(engine) -> None
         time.sleep(0.01)
     assert before["installed"] and after["steps"] - before["steps"] == 9, (before, after)
     loop, step, sampler = (after[k] - before[k] for k in ("loop_s", "step_s", "sampler_s"))
-    assert loop >= step >= sampler > 0, (loop, step, sampler)
+    assert loop >= step >= sampler >= 0, (loop, step, sampler)
+    # the sampler is timed apart unless every step replayed a CUDA graph (it runs inside the replay)
+    assert sampler > 0 or after.get("graphed_steps", 0) - before.get("graphed_steps", 0) >= 8, (before, after)

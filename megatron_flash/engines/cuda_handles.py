@@ -9,6 +9,7 @@ refusal containing CANNOT_OPEN_CUDA, which the trainer reads as "send this engin
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable
 
 import torch
@@ -42,9 +43,35 @@ def cuda_index_of(device: Any, uuids: Callable[[], list[str]]) -> int:
     return visible.index(device)
 
 
+HANDLE_ARG, OFFSET_ARG = 7, 9
+"""Indices of the storage's IPC handle and its byte offset in rebuild_cuda_tensor's arguments."""
+MAX_MAPPED = 8
+_mapped: "collections.OrderedDict[tuple, Any]" = collections.OrderedDict()
+
+
 def rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
-    """torch's rebuild_cuda_tensor for payloads whose device is a UUID (dumps_with_device_uuids, SGLang)."""
+    """torch's rebuild_cuda_tensor for payloads whose device is a UUID (dumps_with_device_uuids, SGLang).
+
+    The storages of the last MAX_MAPPED handles stay referenced here. The trainer sends its persistent
+    flat buffers again and again, and torch reuses a mapping it still holds (its `shared_cache`, keyed
+    by handle and offset) instead of opening the handle again, a cudaIpcOpenMemHandle of a few ms per
+    bucket. A reused mapping skips the producer's IPC event, so the trainer synchronizes its copies
+    into a buffer before it sends it (weight_sync/transports/ipc.py)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     index = cuda_index_of(args[DEVICE_ARG], visible_uuids)
-    return rebuild_cuda_tensor(*args[:DEVICE_ARG], index, *args[DEVICE_ARG + 1:])
+    tensor = rebuild_cuda_tensor(*args[:DEVICE_ARG], index, *args[DEVICE_ARG + 1:])
+    if isinstance(tensor, torch.Tensor) and tensor.is_cuda and args[HANDLE_ARG] is not None:
+        key = (args[HANDLE_ARG], args[OFFSET_ARG])
+        _mapped[key] = tensor.untyped_storage()
+        _mapped.move_to_end(key)
+        while len(_mapped) > MAX_MAPPED:
+            _mapped.popitem(last=False)
+    return tensor
+
+
+def forget_mappings() -> int:
+    """Let go of every kept mapping of the trainer's memory (memory release, shutdown); returns how many."""
+    count = len(_mapped)
+    _mapped.clear()
+    return count

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from megatron_flash.engines import shared_weights, weight_payloads
+from megatron_flash.engines.cuda_handles import forget_mappings
 from megatron_flash.engines.process_group import new_weight_update_group
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class EngineUpdates:
                 for name, param in self.model.named_parameters():
                     self._weight_meta[name] = (param.shape, param.dtype)
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        forget_mappings()  # the trainer may reuse its GPU memory while this engine sleeps
         gc.collect()
         _malloc_trim()
         return {"released": sorted(self._released), "before": before, "after": self.memory_bytes()}

@@ -570,7 +570,8 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         engine_device = args.engine_device or args.device
         launcher = EngineLauncher(backend="local", model_path=model, base_port=free_ports(1), run_dir=tmp,
                                   startup_timeout_s=600,
-                                  server_args={"device": engine_device, "dtype": "float32"})
+                                  server_args={"device": engine_device, "dtype": "float32",
+                                               "decoder": args.engine_decoder})
         launcher.__enter__()
         engine_pid = launcher.pids[0]
         staged = args.transport == "ipc" and args.ipc_mode == "staged"
@@ -671,6 +672,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--disk-dir", default="", help="where disk files and temporary models go (default: $TMPDIR)")
     p.add_argument("--device", default="cpu", help="where the sender's state (trainer) lives: cpu, cuda, cuda:N")
     p.add_argument("--engine-device", default="", help="--engine: the engine's device (default: --device)")
+    p.add_argument("--engine-decoder", default="static", choices=["static", "cb"], help="--engine: its decoder")
     args = p.parse_args(argv)
     if args.device != "cpu":
         if not args.device.startswith("cuda"):

@@ -111,7 +111,11 @@ class IpcTransport(StreamingTransport):
             self._device_buffers = DeviceFlatBuffers()
         errors: Errors = {}
         tp = self.ctx.engine_tp_size
-        for flat, metadata in self._device_buffers.flatten(bucket):
+        regions = self._device_buffers.flatten(bucket)
+        # The copies into the buffer finish before any engine reads it: an engine that has this buffer
+        # mapped from an earlier bucket reads it without waiting for the IPC event (engines/cuda_handles.py).
+        torch.cuda.current_stream(regions[0][0].device).synchronize()
+        for flat, metadata in regions:
             live = [u for u in urls if u not in errors]
             # One pickling per engine and TP rank: each unpickling takes one of the handle's reference counts.
             errors.update(self.ctx.calls.fan(

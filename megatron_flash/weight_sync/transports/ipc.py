@@ -22,6 +22,8 @@ import base64
 import io
 from typing import ClassVar, Optional, Sequence
 
+import torch
+
 from megatron_flash.weight_sync.calls import Errors
 from megatron_flash.weight_sync.plan import Bucket
 from megatron_flash.weight_sync.transports.base import StreamingTransport, TransportContext
@@ -114,7 +116,8 @@ class IpcTransport(StreamingTransport):
         regions = self._device_buffers.flatten(bucket)
         # The copies into the buffer finish before any engine reads it: an engine that has this buffer
         # mapped from an earlier bucket reads it without waiting for the IPC event (engines/cuda_handles.py).
-        torch.cuda.current_stream(regions[0][0].device).synchronize()
+        if regions and regions[0][0].is_cuda:
+            torch.cuda.current_stream(regions[0][0].device).synchronize()
         for flat, metadata in regions:
             live = [u for u in urls if u not in errors]
             # One pickling per engine and TP rank: each unpickling takes one of the handle's reference counts.

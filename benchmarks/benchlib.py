@@ -316,11 +316,22 @@ def add_engine_device_args(p: argparse.ArgumentParser) -> None:
     """--engine-device / --engine-dtype: where the local engine decodes (its --device / --dtype)."""
     p.add_argument("--engine-device", default="cpu", help="local engine device: cpu, cuda, cuda:N")
     p.add_argument("--engine-dtype", default="", help="local engine dtype (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--engine-decoder", default="static", choices=["static", "cb"], help="local engine decoder")
 
 
 def engine_device_server_args(args: argparse.Namespace) -> dict[str, str]:
     dtype = args.engine_dtype or ("float32" if args.engine_device == "cpu" else "bfloat16")
-    return {"device": args.engine_device, "dtype": dtype}
+    return {"device": args.engine_device, "dtype": dtype, "decoder": args.engine_decoder}
+
+
+def engine_capacity_server_args(args: argparse.Namespace, *, max_running: int, request_tokens: int,
+                                num_blocks: int = 0) -> dict[str, int]:
+    """How many requests an engine runs at once, each up to `request_tokens` (prompt + new tokens), in
+    the flags of its decoder: slots for static; KV pages of 16 tokens (`num_blocks`, default: room for
+    `max_running` worst cases) and tokens per step for cb."""
+    if args.engine_decoder == "static":
+        return {"max_running_requests": max_running, "context_length": request_tokens}
+    return {"num_blocks": num_blocks or max_running * -(-request_tokens // 16), "max_batch_tokens": 512}
 
 
 def steady(rows: Sequence[dict], *, skip: int, keys: Sequence[str]) -> dict[str, float]:

@@ -66,8 +66,6 @@ def main() -> int:
     p.add_argument("--max-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-path", default="")
-    p.add_argument("--num-blocks", type=int, default=256,
-                   help="local engine server KV blocks of 16 tokens: enough that --batch requests fit at once")
     args = p.parse_args()
     from megatron_flash.engines.launcher import EngineLauncher
 
@@ -81,7 +79,8 @@ def main() -> int:
         prompts = [[rng.randrange(4, 40) for _ in range(5)] for _ in range(args.requests)]
         launcher = EngineLauncher(backend="local", model_path=model, num_engines=1, base_port=free_ports(1),
                                   run_dir=os.path.join(tmp, "run"), startup_timeout_s=180,
-                                  server_args={"num-blocks": args.num_blocks, "max-batch-tokens": 512})
+                                  server_args={"max-running-requests": args.batch,
+                                               "context-length": 5 + args.max_len + 3})
         with launcher:
             url = launcher.urls[0]
             asyncio.run(run_mode(url, "continuous", prompts[:8], lens[:8], args.batch))  # warm-up

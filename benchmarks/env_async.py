@@ -344,8 +344,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--slow-factor", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0, help="first env seed (group g uses seed + g)")
     p.add_argument("--model-path", default="", help="HF model dir (default: make the tiny model in a temp dir)")
-    p.add_argument("--num-blocks", type=int, default=1024, help="local engine server KV blocks of 16 tokens")
-    p.add_argument("--max-batch-tokens", type=int, default=512, help="local engine server tokens per forward step")
+    p.add_argument("--num-blocks", type=int, default=1024, help="local engine server KV blocks of 16 tokens (its context length: num_blocks x 16)")
+    p.add_argument("--max-running", type=int, default=64, help="local engine server slots (requests decoded together)")
     args = p.parse_args(argv)
     args.mus = [float(m) for m in args.mu_ms.split(",") if m.strip()]
     for name in ("groups", "group_size", "concurrent_groups", "turns", "tokens_per_turn", "redundancy_turns",
@@ -377,7 +377,7 @@ def main() -> int:
         launcher = EngineLauncher(backend="local", model_path=model, num_engines=1, base_port=free_ports(1),
                                   run_dir=os.path.join(tmp, "run"), startup_timeout_s=180,
                                   server_args={"num-blocks": args.num_blocks,
-                                               "max-batch-tokens": args.max_batch_tokens})
+                                               "max-running-requests": args.max_running})
         with launcher:
             url = launcher.urls[0]
             run = lambda mode, **kw: asyncio.run(timed(url, tokenizer, args, mode, **kw))  # noqa: E731

@@ -53,7 +53,7 @@ def main() -> int:
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--max-len", type=int, default=32)
-    p.add_argument("--num-blocks", type=int, default=512, help="engine KV blocks of 16 tokens")
+    p.add_argument("--num-blocks", type=int, default=512, help="--engine-decoder cb: engine KV blocks of 16 tokens")
     p.add_argument("--chunk", type=int, default=0,
                    help="also run mode 'chunked': replication with rollout.replication_chunk=K samples per request")
     p.add_argument("--model-path", default="")
@@ -69,8 +69,10 @@ def main() -> int:
               f"rollout.n_samples_per_prompt={args.n}", f"rollout.max_new_tokens={args.max_len + 8}",
               f"trainer.max_seq_len={args.max_len + 16}", f"async_rl.alpha={args.alpha}",
               f"engines.max_inflight_per_engine={args.max_inflight}",
-              f"engines.server_args.num_blocks={args.num_blocks}", "engines.server_args.max_batch_tokens=512",
-              *[f"engines.server_args.{k}={v}" for k, v in benchlib.engine_device_server_args(args).items()]]
+              *[f"engines.server_args.{k}={v}" for k, v in {
+                  **benchlib.engine_capacity_server_args(args, max_running=args.max_inflight,
+                                                         request_tokens=args.max_len + 16, num_blocks=args.num_blocks),
+                  **benchlib.engine_device_server_args(args)}.items()]]
     keys = ("time_step", "engine_idle_frac", "tokens_per_s", "response_len_mean")
     modes = ["off", "on"] + (["chunked"] if args.chunk > 1 else [])
     results: dict[str, list[dict]] = {m: [] for m in modes}

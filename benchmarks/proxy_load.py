@@ -74,7 +74,7 @@ def main() -> int:
         base = free_ports(args.engines)
         launcher = EngineLauncher(backend="local", model_path=model, num_engines=args.engines, base_port=base,
                                   run_dir=os.path.join(tmp, "run"), startup_timeout_s=180,
-                                  server_args={"num-blocks": 256, "max-batch-tokens": 512})
+                                  server_args={"max-running-requests": 64})
         with launcher:
             out = asyncio.run(load(launcher.urls, requests=args.requests, max_new_tokens=args.max_new_tokens,
                                    inflight=args.inflight, seed=args.seed))

@@ -169,9 +169,10 @@ def main() -> int:
     benchlib.write_graded_data(data, rows=4096, pass_rates=[float(x) for x in args.pass_rates.split(",")],
                                seed=args.seed)
     max_new = args.max_len + 8
-    # The local engine admits a request once its worst case (prompt of 2 + max_new tokens, whole 16-token
-    # pages) fits its KV cache: size the cache so that --max-running requests run at once.
-    server_args = {"num_blocks": args.max_running * -(-(2 + max_new) // 16), "max_batch_tokens": 512,
+    # The local engine admits a request once its worst case (prompt of 2 + max_new tokens) fits: size it so
+    # that --max-running requests run at once.
+    server_args = {**benchlib.engine_capacity_server_args(args, max_running=args.max_running,
+                                                          request_tokens=2 + max_new),
                    **benchlib.engine_device_server_args(args)}
     batch = args.prompts * args.n
     product = [f"data.path={data}", "data.task=", "trainer.mode=rollout_only", f"trainer.total_steps={args.steps}",

@@ -32,6 +32,13 @@
 #                 bf16 parity with transformers (auto = flash there), benchmarks/logprob_memory.py (16k × 152k),
 #                 then benchmarks/trainer_throughput.py
 #                 --device cuda --preset 0.5b and 1.5b (local vs flash vs bare, mfu, peak memory)
+#   engine        (not run yet; ≈ 6.5 min planned) benchmarks/engine_step_cost.py --device cuda --preset 0.5b at
+#                 1k-token contexts, k = 1, 8, 64, 256, static decoder and transformers CB side by side; a 1.5b
+#                 static row; tools/weight_sync/bench.py --device cuda --engine into the static decoder
+#   rollout_static (not run yet; ≈ 7 min planned) queue_scheduling.py, prompt_replication.py, async_vs_sync.py
+#                 with --engine-device cuda on the static decoder (64 running per engine)
+#   The stages of the GPU rows still open, in order: engine, trainer, rollout_static (each run alone):
+#     GPU_DEADLINE=440 bash tools/gpu_session.sh run engine -- contract
 # docs/benchmarks.md says where each number goes.
 set -u
 cd "$(dirname "$0")/.."
@@ -126,6 +133,19 @@ track() {  # the named stages, one after another
                 stage logprob_memory 60 python3 benchmarks/logprob_memory.py --device cuda
                 stage trainer_05b 150 python3 benchmarks/trainer_throughput.py --device cuda --preset 0.5b --rounds 2
                 stage trainer_15b 200 python3 benchmarks/trainer_throughput.py --device cuda --preset 1.5b --rounds 1 ;;
+            engine)  # the local engine's static decoder vs transformers CB, decode step on CUDA; pushes into it
+                stage engine_steps_05b 200 python3 benchmarks/engine_step_cost.py --device cuda --preset 0.5b \
+                    --prompt-len 1000 --k 1,8,64,256 --decoder static,cb --short 8 --long 40 --repeats 2
+                stage engine_steps_15b 100 python3 benchmarks/engine_step_cost.py --device cuda --preset 1.5b \
+                    --prompt-len 1000 --k 1,64,256 --decoder static --short 8 --long 40 --repeats 2
+                stage bench_cuda_engine_static 90 python3 tools/weight_sync/bench.py --device cuda --engine \
+                    --size-mb 1024 --bucket-mb 256 --repeats 3 --engine-decoder static ;;
+            rollout_static)  # the paper's rollout gains on the static decoder (flat step), one round each
+                stage queue_scheduling_static 150 python3 benchmarks/queue_scheduling.py --engine-device cuda \
+                    --rounds 1 --max-running 64 --steps 8 --skip 2
+                stage prompt_replication_static 120 python3 benchmarks/prompt_replication.py --engine-device cuda \
+                    --rounds 1 --chunk 4 --max-inflight 64 --steps 8 --skip 2
+                stage async_vs_sync_static 150 python3 benchmarks/async_vs_sync.py --engine-device cuda --rounds 1 ;;
             *)
                 echo "unknown stage $name (see the header)" ;;
         esac
@@ -160,5 +180,5 @@ run() {  # run STAGES... [-- STAGES...]: the second list runs beside the first (
 case ${1:-} in
     download) download ;;
     run) shift; run "$@" ;;
-    *) sed -n '2,35p' "$0"; exit 2 ;;
+    *) sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2 ;;
 esac

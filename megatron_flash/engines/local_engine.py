@@ -101,9 +101,10 @@ class LocalEngine(EngineUpdates, DecodingHooks):
     """
 
     def __init__(self, *, model_path: str, decoder: str = "static", num_blocks: int = 64, page_size: int = 16,
-                 max_batch_tokens: int = 256, max_running_requests: int = 64, context_length: int | None = None,
-                 max_prefill_tokens: int = 8192, cuda_graphs: bool = True, seed: int | None = None,
-                 device: str = "cpu", dtype: str = "float32") -> None:
+                 max_batch_tokens: int | None = None, max_running_requests: int | None = None,
+                 context_length: int | None = None, max_prefill_tokens: int | None = None,
+                 cuda_graphs: bool = True, seed: int | None = None, device: str = "cpu",
+                 dtype: str = "float32") -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         if not os.path.isfile(os.path.join(model_path, "config.json")):
@@ -127,6 +128,19 @@ class LocalEngine(EngineUpdates, DecodingHooks):
         self.eos_ids = frozenset(t for e in eos for t in ([e] if isinstance(e, int) else (e or [])) if t >= 0)
         if decoder not in DECODERS:
             raise ValueError(f"--decoder must be one of {', '.join(DECODERS)}, got {decoder!r}")
+        # a flag of the other decoder would change nothing: refused by name
+        other = ({"--max-batch-tokens": max_batch_tokens} if decoder == "static" else
+                 {"--max-running-requests": max_running_requests, "--context-length": context_length,
+                  "--max-prefill-tokens": max_prefill_tokens, "--disable-cuda-graph": None if cuda_graphs else True})
+        misplaced = sorted(flag for flag, value in other.items() if value is not None)
+        if misplaced:
+            raise ValueError(f"{', '.join(misplaced)} do(es) not apply to --decoder {decoder}")
+        max_batch_tokens = max_batch_tokens or 256
+        max_running_requests = max_running_requests or 64
+        for flag, value in (("--max-running-requests", max_running_requests), ("--context-length", context_length),
+                            ("--max-prefill-tokens", max_prefill_tokens), ("--max-batch-tokens", max_batch_tokens)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be at least 1, got {value}")
         max_positions = getattr(self.hf_config.get_text_config(), "max_position_embeddings", None) or 1 << 30
         self.decoder = decoder
         if decoder == "static":
@@ -170,7 +184,7 @@ class LocalEngine(EngineUpdates, DecodingHooks):
                 from megatron_flash.engines.static_decoder import StaticDecoder
 
                 made: Any = StaticDecoder(self, num_slots=max_running_requests, slot_len=self.capacity, seed=seed,
-                                          max_prefill_tokens=max(max_prefill_tokens, self.capacity),
+                                          max_prefill_tokens=max(max_prefill_tokens or 8192, self.capacity),
                                           use_graphs=cuda_graphs)
             else:
                 made = CBDecoder(self, num_blocks=num_blocks, page_size=page_size,

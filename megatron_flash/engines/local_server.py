@@ -100,13 +100,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="KV cache blocks (of --page-size tokens); static: --context-length defaults to "
                              "num_blocks x page_size")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV cache block")
-    parser.add_argument("--max-batch-tokens", type=int, default=256, help="cb: tokens per forward step")
-    parser.add_argument("--max-running-requests", type=int, default=64,
-                        help="static: KV slots, i.e. requests decoded together (more wait at admission)")
+    parser.add_argument("--max-batch-tokens", type=int, default=None, help="cb: tokens per forward step (256)")
+    parser.add_argument("--max-running-requests", type=int, default=None,
+                        help="static: KV slots, i.e. requests decoded together (more wait at admission; 64)")
     parser.add_argument("--context-length", type=int, default=None,
                         help="static: tokens per slot = the longest prompt + max_new_tokens a request may have")
-    parser.add_argument("--max-prefill-tokens", type=int, default=8192,
-                        help="static: prompt tokens packed into one prefill forward")
+    parser.add_argument("--max-prefill-tokens", type=int, default=None,
+                        help="static: prompt tokens packed into one prefill forward (8192)")
     parser.add_argument("--disable-cuda-graph", action="store_true",
                         help="static on CUDA: decode eagerly instead of replaying captured steps")
     parser.add_argument("--seed", type=int, default=None, help="seed of the sampling RNG")

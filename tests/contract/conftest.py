@@ -4,7 +4,8 @@
 found them); modules that change weights or need a flag start their own through `launch_engine`.
 
 Backends:
-    "cpu"     megatron_flash.engines.local_server (transformers continuous batching), started here.
+    "cpu"     megatron_flash.engines.local_server (its static decoder; MF_CONTRACT_DECODER=cb: transformers
+              continuous batching), started here.
     "cuda"    the same server with --device cuda --dtype float32 (tests/gpu/test_gpu_contract.py runs the
               tier with MF_CONTRACT_BACKENDS=cuda on a GPU machine).
     "sglang"  real SGLang 0.5.23 on CPU. HOOK: add "sglang" to BACKENDS and provide
@@ -36,6 +37,7 @@ STARTUP_DEADLINE_S = {"cpu": 120.0, "cuda": 180.0, "sglang": 300.0}
 LOCAL = ("cpu", "cuda")
 """Backends that are the project's own engine server (its extras and ids are asserted where SGLang differs)."""
 LOCAL_BACKEND = "cuda" if "cuda" in BACKENDS else "cpu"
+DECODER = os.environ.get("MF_CONTRACT_DECODER", "static")  # the local engine's decoder: static | cb
 """The local engine for modules that test its own endpoints."""
 
 
@@ -79,7 +81,9 @@ def _start_local_server(model_dir: str, port: int, log_path: str, *, api_key: st
                       device: str = "cpu") -> subprocess.Popen:
     cmd = [sys.executable, "-m", "megatron_flash.engines.local_server", "--model-path", model_dir,
            "--port", str(port), "--host", "127.0.0.1", "--num-blocks", "64", "--page-size", "16",
-           "--max-batch-tokens", "256", "--log-level", "warning", "--device", device, "--dtype", "float32"]
+           "--decoder", DECODER, "--log-level", "warning", "--device", device, "--dtype", "float32"]
+    if DECODER == "cb":
+        cmd += ["--max-batch-tokens", "256"]
     if api_key is not None:
         cmd += ["--api-key", api_key]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"}

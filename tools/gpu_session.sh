@@ -134,6 +134,8 @@ track() {  # the named stages, one after another
                 stage trainer_05b 150 python3 benchmarks/trainer_throughput.py --device cuda --preset 0.5b --rounds 2
                 stage trainer_15b 200 python3 benchmarks/trainer_throughput.py --device cuda --preset 1.5b --rounds 1 ;;
             engine)  # the local engine's static decoder vs transformers CB, decode step on CUDA; pushes into it
+                stage static_decoder_test 90 python3 -m pytest -q -s -p no:cacheprovider \
+                    tests/gpu/test_gpu_static_decoder.py
                 stage engine_steps_05b 200 python3 benchmarks/engine_step_cost.py --device cuda --preset 0.5b \
                     --prompt-len 1000 --k 1,8,64,256 --decoder static,cb --short 8 --long 40 --repeats 2
                 stage engine_steps_15b 100 python3 benchmarks/engine_step_cost.py --device cuda --preset 1.5b \

@@ -39,7 +39,7 @@ class SlotForward:
     decode: bool
     rows: int = 0  # decode: rows 0..rows-1 are slots 0..rows-1
     length: int = 0  # decode: attended length bucket L
-    pos: Optional[torch.Tensor] = None  # decode: [num_slots] int64, position of each row's input token
+    write: Optional[torch.Tensor] = None  # decode: [rows] int64, where each row's key goes (its position)
     mask: Optional[torch.Tensor] = None  # decode: [rows, 1, 1, L] bool
     seqs: tuple[tuple[int, int, int], ...] = ()  # prefill: (slot, offset in the packed row, tokens)
 
@@ -93,9 +93,8 @@ def _decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache
             v_cache: torch.Tensor, fwd: SlotForward, scaling: Optional[float]) -> torch.Tensor:
     rows, length = fwd.rows, fwd.length
     index = fwd.cache.row_index[:rows]
-    write = fwd.pos[:rows].clamp(max=k_cache.size(2) - 1)  # idle rows of the bucket write in bounds
-    k_cache[index, :, write] = key[:, :, 0].to(k_cache.dtype)
-    v_cache[index, :, write] = value[:, :, 0].to(v_cache.dtype)
+    k_cache[index, :, fwd.write] = key[:, :, 0].to(k_cache.dtype)
+    v_cache[index, :, fwd.write] = value[:, :, 0].to(v_cache.dtype)
     heads, kv_heads, dim = query.size(1), k_cache.size(1), query.size(-1)
     q = query.reshape(rows, kv_heads, heads // kv_heads, dim)  # [B, KV, G, D]: the G heads of a KV head as queries
     out = F.scaled_dot_product_attention(q.to(k_cache.dtype), k_cache[:rows, :, :length],

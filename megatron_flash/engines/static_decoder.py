@@ -89,7 +89,7 @@ class StaticDecoder:
         self.positions = torch.arange(slot_len, device=self.device)
         self.vocab = engine.vocab_size
         self.use_graphs = use_graphs and self.device.type == "cuda" and not engine.route_recorder.is_moe
-        self._graphs: dict[tuple[int, int, bool], Any] = {}
+        self._graphs: dict[tuple[int, int, bool, bool], Any] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._seeds = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
         # host mirrors, touched only by the decoder thread
@@ -97,6 +97,7 @@ class StaticDecoder:
         self._slot_req: list[Any] = [None] * num_slots
         self._slot_pos = [0] * num_slots
         self._slot_truncates = [False] * num_slots
+        self._slot_bans = [0] * num_slots  # steps left in which the slot masks its stop ids
         self._waiting: collections.deque = collections.deque()
         self._cond = threading.Condition()
         self._pause_count = 0
@@ -258,7 +259,8 @@ class StaticDecoder:
         rows = torch.tensor(slots, device=self.device)
         logits = logits[torch.tensor(source, device=self.device)]
         sampling = time.perf_counter()
-        tokens, logprobs = self._sample(logits, rows, any(self._slot_truncates[s] for s in slots))
+        tokens, logprobs = self._sample(logits, rows, any(self._slot_truncates[s] for s in slots),
+                                        any(self._slot_bans[s] > 0 for s in slots))
         out = torch.stack([tokens.double(), logprobs.double()], 1).tolist()
         self._timing[0] += 1
         self._timing[1] += time.perf_counter() - started
@@ -297,6 +299,7 @@ class StaticDecoder:
             stop = sorted(req.stop_ids)[:MAX_BANNED] if spec.min_new_tokens else []
             bans.append((stop or [0]) + [stop[0] if stop else 0] * (MAX_BANNED - max(len(stop), 1)))
             valid.append([bool(stop)] * MAX_BANNED if stop else [False] * MAX_BANNED)
+            self._slot_bans[slot] = spec.min_new_tokens - len(req.output_ids) if stop else 0
             self._slot_truncates[slot] = (not spec.greedy and (spec.top_k < self.vocab or spec.top_p < 1.0
                                                                 or spec.min_p > 0.0))
             if len(req.stop_ids) > MAX_BANNED and spec.min_new_tokens:
@@ -315,11 +318,13 @@ class StaticDecoder:
         s.ban_ids[index] = torch.tensor(bans, device=dev)
         s.ban_valid[index] = torch.tensor(valid, device=dev)
 
-    def _sample(self, logits: torch.Tensor, rows: torch.Tensor | slice,
-                truncate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, rows: torch.Tensor | slice, truncate: bool,
+                bans: bool) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.state
-        banned = s.ban_valid[rows] & (s.out_len[rows] < s.min_new[rows]).view(-1, 1)
-        logits = ban_tokens(logits.float(), s.ban_ids[rows], banned)
+        logits = logits.float()
+        if bans:  # some row still masks its stop ids (min_new_tokens)
+            banned = s.ban_valid[rows] & (s.out_len[rows] < s.min_new[rows]).view(-1, 1)
+            logits = ban_tokens(logits, s.ban_ids[rows], banned)
         uniform = seed_uniform(s.seed[rows], s.out_len[rows])
         return sample_device(logits, temperature=s.temperature[rows], greedy=s.greedy[rows], top_k=s.top_k[rows],
                              top_p=s.top_p[rows], min_p=s.min_p[rows], uniform=uniform, truncate=truncate)
@@ -330,15 +335,16 @@ class StaticDecoder:
         rows = bucket(busy[-1] + 1, self.num_slots)
         length = bucket(max(self._slot_pos[s] for s in busy) + 1, self.slot_len, MIN_LENGTH_BUCKET)
         truncate = any(self._slot_truncates[s] for s in busy)
+        bans = any(self._slot_bans[s] > 0 for s in busy)
         recorder = self.engine.route_recorder
         if recorder.is_moe:
             recorder.note_layout([(self._slot_cb[r] or "", self._slot_pos[r], 1) for r in range(rows)])
         started = time.perf_counter()
-        graph = self._graph(rows, length, truncate) if self.use_graphs else None
+        graph = self._graph(rows, length, truncate, bans) if self.use_graphs else None
         if graph is not None:
             graph.replay()
         else:
-            self._step(rows, length, truncate)
+            self._step(rows, length, truncate, bans)
         out = self.state.out[:rows].tolist()  # the one host read of the step
         self._timing[0] += 1
         self._timing[1] += time.perf_counter() - started
@@ -346,16 +352,18 @@ class StaticDecoder:
         self._record([self._slot_cb[r] for r in range(rows)], out)
         for s in busy:
             self._slot_pos[s] += 1
+            self._slot_bans[s] -= 1
 
-    def _step(self, rows: int, length: int, truncate: bool) -> None:
+    def _step(self, rows: int, length: int, truncate: bool, bans: bool) -> None:
         """One decode step of rows 0..rows-1 over `length` positions, entirely on the device."""
         s = self.state
         mask = (self.positions[:length].view(1, length) <= s.pos[:rows].view(rows, 1)).view(rows, 1, 1, length)
-        fwd = SlotForward(cache=self.cache, decode=True, rows=rows, length=length, pos=s.pos, mask=mask)
+        write = s.pos[:rows].clamp(max=self.slot_len - 1)  # idle rows of the bucket write in bounds
+        fwd = SlotForward(cache=self.cache, decode=True, rows=rows, length=length, write=write, mask=mask)
         logits = self.model(input_ids=s.ids[:rows], position_ids=s.pos[:rows].view(rows, 1), attention_mask=mask,
                             use_cache=False, slot_forward=fwd).logits[:, -1]
         sampling = time.perf_counter()  # host time: meaningful when eager on the CPU (a graph replays it all)
-        tokens, logprobs = self._sample(logits, slice(0, rows), truncate)
+        tokens, logprobs = self._sample(logits, slice(0, rows), truncate, bans)
         self._timing[2] += time.perf_counter() - sampling
         s.out[:rows, 0] = tokens.double()
         s.out[:rows, 1] = logprobs.double()
@@ -364,8 +372,8 @@ class StaticDecoder:
         s.pos[:rows] += active.long()
         s.out_len[:rows] += active.long()
 
-    def _graph(self, rows: int, length: int, truncate: bool) -> Any:
-        key = (rows, length, truncate)
+    def _graph(self, rows: int, length: int, truncate: bool, bans: bool) -> Any:
+        key = (rows, length, truncate, bans)
         graph = self._graphs.get(key)
         if graph is not None or not self.use_graphs:
             return graph
@@ -375,11 +383,13 @@ class StaticDecoder:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._step(rows, length, truncate)
+                self._step(*key)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._step(rows, length, truncate)
+            # thread_local: the engine's other threads (weight loads, teacher-forced scoring) may use the GPU
+            # while this thread captures
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._step(*key)
             self._graphs[key] = graph
         except Exception:
             logger.exception("CUDA graph capture failed for %s: decoding eagerly from now on", key)

@@ -98,6 +98,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         if _is_local_leader():
             sys.stdout.write(config_to_yaml(cfg))
         return 0
+    from megatron_flash.hf.hub import resolve_model_path
+
+    try:  # a Hub id becomes its snapshot directory in the Hugging Face cache, the same on every rank
+        cfg.model.hf_path = resolve_model_path(cfg.model.hf_path)
+    except ValueError as err:
+        if _is_local_leader():
+            print(f"config error: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     return run(cfg)
 
 

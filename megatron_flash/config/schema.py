@@ -30,6 +30,7 @@ ROLLOUT_RUNNERS = ("thread", "process")
 STALE_POLICIES = ("drop", "regenerate")
 ADMISSIONS = ("adaptive", "eager")  # = buffer/staleness.py ADMISSIONS (a unit test keeps them equal)
 ENGINE_BACKENDS = ("local", "sglang", "attach")
+TASKS_WITH_ARGS = ("arith",)
 WEIGHT_TRANSPORTS = ("ipc", "broadcast", "disk")
 WANDB_MODES = ("offline", "online", "disabled")
 RECOMPUTE = ("none", "selective", "full")
@@ -699,6 +700,9 @@ class DataConfig(_Section):
     """Column/field holding the reference answer the reward compares with."""
     task: str = ""
     """Built-in synthetic task (e.g. sort4) used when path is empty."""
+    task_args: Dict[str, Any] = field(default_factory=dict)
+    """Settings of the built-in task; only arith takes any (digits, operations, word_problems,
+    non_negative: rewards/arith.py)."""
     num_samples: int = 0
     """Prompts to use from the dataset; 0 = all (synthetic tasks: their default size)."""
     shuffle: bool = True
@@ -715,6 +719,10 @@ class DataConfig(_Section):
         self._require(bool(self.answer_key), "answer_key", "must be non-empty")
         self._at_least("num_samples", 0)
         self._at_least("max_prompt_len", 0)
+        if self.task_args and self.task not in TASKS_WITH_ARGS:
+            # the values themselves are checked where the task is built (rewards/arith.py), naming the key
+            raise ValueError(f"data.task_args is set, but data.task={self.task!r} takes no settings "
+                             f"(only {', '.join(TASKS_WITH_ARGS)} does)")
 
 
 @dataclass
@@ -739,7 +747,8 @@ class EvalConfig(_Section):
     def validate(self) -> None:
         if not isinstance(self.datasets, dict):
             raise ValueError(f"eval.datasets must be a mapping of name → data fields, got {type(self.datasets).__name__}")
-        allowed = ("path", "prompt_key", "answer_key", "task", "num_samples", "apply_chat_template", "max_prompt_len")
+        allowed = ("path", "prompt_key", "answer_key", "task", "task_args", "num_samples", "apply_chat_template",
+                   "max_prompt_len")
         for name, spec in self.datasets.items():
             if not isinstance(spec, dict):
                 raise ValueError(f"eval.datasets.{name} must be a mapping of data fields ({', '.join(allowed)})")
@@ -748,7 +757,10 @@ class EvalConfig(_Section):
                 raise ValueError(f"eval.datasets.{name}.{unknown[0]} is not a data field ({', '.join(allowed)})")
             if not spec.get("path") and not spec.get("task"):
                 raise ValueError(f"eval.datasets.{name} needs a path or a task")
-            DataConfig(**spec).validate()
+            try:
+                DataConfig(**spec).validate()
+            except ValueError as error:  # name the evaluation set, not the training data
+                raise ValueError(f"eval.datasets.{name}: {error}") from None
         self._at_least("every_steps", 0)
         self._at_least("n_samples", 1)
         self._at_least("max_new_tokens", 0)

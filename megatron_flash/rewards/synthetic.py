@@ -7,6 +7,8 @@
   countdown  "e:"        "edcba"         letter k → k down to 'a' (1–20 long, long tail): lengths
   add2       "12+47=?"   "59"            two 2-digit numbers; the calculator agent's questions (the
                                          agent calls a tool, then answers "answer: 59")
+  arith      "What is 7 + 5?"  "12"      questions for real instruct models, free-text replies scored
+                                         by the `math` reward; settings in data.task_args (rewards/arith.py)
 
 Each task gives a prompt/answer pair from a `random.Random`, a *format-only* answer for supervised
 warm-up (right shape and length, wrong content: it teaches the format, not the task), and the
@@ -76,9 +78,17 @@ TASKS: dict[str, SyntheticTask] = {
 }
 
 
-def get_task(name: str) -> SyntheticTask:
+def get_task(name: str, args: dict | None = None, *, key: str = "data.task_args") -> SyntheticTask:
+    """The task `name`; `args` (data.task_args) configure the ones that take settings (arith only)."""
+    if name == "arith":
+        from megatron_flash.rewards.arith import ArithSpec
+
+        spec = ArithSpec.from_args(args, key=key)
+        return SyntheticTask("arith", spec.make, lambda rng, prompt: str(rng.randint(0, 99)))
     if name not in TASKS:
-        raise ValueError(f"unknown synthetic task {name!r}; known: {', '.join(sorted(TASKS))}")
+        raise ValueError(f"unknown synthetic task {name!r}; known: {', '.join(sorted([*TASKS, 'arith']))}")
+    if args:
+        raise ValueError(f"{key} is set, but data.task={name!r} takes no settings (only arith does)")
     return TASKS[name]
 
 

@@ -83,7 +83,8 @@ class PromptDataset:
         if data_cfg.path:
             rows = _load_file(data_cfg)
         elif data_cfg.task:
-            rows = _make_synthetic(data_cfg.task, num_samples=data_cfg.num_samples, seed=seed)
+            rows = _make_synthetic(data_cfg.task, num_samples=data_cfg.num_samples, seed=seed,
+                                   args=data_cfg.task_args)
         else:
             raise ValueError("no prompts configured: set data.path (a .jsonl/.json/.parquet file) "
                              "or data.task (a synthetic task such as sort4)")
@@ -202,8 +203,8 @@ def _answer_str(value: Any) -> str:
     return str(value)
 
 
-def _make_synthetic(name: str, *, num_samples: int, seed: int) -> _Rows:
-    task = get_task(name)
+def _make_synthetic(name: str, *, num_samples: int, seed: int, args: dict | None = None) -> _Rows:
+    task = get_task(name, args)
     rng = random.Random(seed)
     count = num_samples or DEFAULT_SYNTHETIC_SAMPLES
     pairs = [task.make(rng) for _ in range(count)]

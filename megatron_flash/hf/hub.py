@@ -20,10 +20,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 def resolve_model_path(value: str, *, key: str = "model.hf_path") -> str:
     """A local model directory for `value` (see the module docstring); ValueError naming `key` otherwise."""
-    if os.path.isdir(value):
-        return value
-    if not _HUB_ID.match(value) or os.path.exists(value):
-        raise ValueError(f"{key}={value!r} is neither a model directory nor a Hugging Face Hub id (org/name)")
+    if os.path.isdir(value) or not _HUB_ID.match(value) or os.path.exists(value):
+        return value  # a path: checked (and a missing one named) where the model is read
     from huggingface_hub import constants, snapshot_download
 
     try:

@@ -9,8 +9,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from tests.conftest import REPO
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
@@ -49,12 +47,13 @@ def test_a_missing_hub_id_is_named_with_the_cache_and_offline_mode(tmp_path) -> 
     assert str(tmp_path / "hub") in out.stdout and "HF_HUB_OFFLINE=1" in out.stdout
 
 
-def test_local_directories_are_used_as_they_are_and_nonsense_is_refused(tmp_path) -> None:
+def test_paths_that_are_not_hub_ids_are_left_to_the_model_loader(tmp_path) -> None:
     from megatron_flash.hf.hub import resolve_model_path
 
     assert resolve_model_path(str(tmp_path)) == str(tmp_path)
-    with pytest.raises(ValueError, match="neither a model directory nor a Hugging Face Hub id"):
-        resolve_model_path(str(tmp_path / "missing" / "dir" / "x"))
+    missing = str(tmp_path / "missing" / "dir" / "x")  # reported where the model is read, as before
+    assert resolve_model_path(missing) == missing
+    assert resolve_model_path("runs/quickstart/warm_model") == "runs/quickstart/warm_model"
 
 
 def test_the_launcher_reports_a_missing_model_as_a_config_error(tmp_path) -> None:

@@ -25,11 +25,12 @@ import json
 import os
 import sys
 import warnings
+from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main() -> int:
+def arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf-dir", required=True)
     parser.add_argument("--tp", type=int, default=1)
@@ -44,55 +45,71 @@ def main() -> int:
     parser.add_argument("--sp", action="store_true", help="sequence parallel (needs --tp > 1)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
     parser.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (default: --tp)")
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")
+    return parser
 
+
+def build_policy(args: argparse.Namespace) -> Any:
+    """The Megatron policy of the checkpoint in the asked layout (initialises the process group)."""
+    from megatron_flash.trainer.model_builder import MoEOptions, ScaleOptions
+    from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
+
+    return MegatronPolicy(PolicySettings(hf_path=args.hf_dir, tp_size=args.tp, pp_size=args.pp,
+                                         dtype=args.dtype, micro_batch_size=args.batch, pack_sequences=args.pack,
+                                         scale=ScaleOptions(virtual_pipeline_size=args.vpp, sequence_parallel=args.sp),
+                                         # forward only: the load-balancing loss plays no part
+                                         moe=MoEOptions(ep_size=args.ep, etp_size=args.etp, aux_loss_coeff=0.0)
+                                         if args.ep > 1 else MoEOptions(etp_size=args.etp)))
+
+
+def compare(policy: Any, args: argparse.Namespace) -> Optional[dict]:
+    """The comparison; rank 0 returns the JSON summary, other ranks None. Collective. The process
+    group stays up (main tears it down), so a caller may run several checks in one launch."""
     import torch
     import torch.distributed as dist
 
-    from megatron_flash.trainer.distributed import destroy_distributed
-    from megatron_flash.trainer.model_builder import MoEOptions, ScaleOptions
-    from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings
-    from megatron_flash.hf.spec import CheckpointError
-
-    try:
-        policy = MegatronPolicy(PolicySettings(hf_path=args.hf_dir, tp_size=args.tp, pp_size=args.pp,
-                                               dtype=args.dtype, micro_batch_size=args.batch, pack_sequences=args.pack,
-                                               scale=ScaleOptions(virtual_pipeline_size=args.vpp, sequence_parallel=args.sp),
-                                               # forward only: the load-balancing loss plays no part
-                                               moe=MoEOptions(ep_size=args.ep, etp_size=args.etp, aux_loss_coeff=0.0)
-                                               if args.ep > 1 else MoEOptions(etp_size=args.etp)))
-    except (CheckpointError, ValueError) as e:
-        print(f"check_parity: {e}", file=sys.stderr)
-        return 2
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, policy.spec.vocab_size, (args.batch, args.seq_len), generator=gen)
     lengths = torch.full((args.batch,), args.seq_len)
     if args.pack:
         lengths = torch.randint(max(2, args.seq_len // 4), args.seq_len + 1, (args.batch,), generator=gen)
     logits = policy.compute_logits(tokens, lengths).double()
-    code = 0
-    if dist.get_rank() == 0:
-        import transformers
+    if dist.get_rank() != 0:
+        return None
+    import transformers
 
-        dtype = getattr(torch, args.dtype)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        hf = transformers.AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=dtype).to(device)
-        logit_diff = lp_diff = 0.0
-        for i, n in enumerate(lengths.tolist()):  # each sample alone through transformers
-            with torch.no_grad():
-                ref = hf(tokens[i:i + 1, :n].to(device)).logits[0].double().cpu()
-            got = logits[i, :n]
-            logit_diff = max(logit_diff, (got - ref).abs().max().item())
-            lp_diff = max(lp_diff, (torch.log_softmax(got, -1) - torch.log_softmax(ref, -1)).abs().max().item())
-        ok = logit_diff <= args.tol and lp_diff <= args.tol
-        code = 0 if ok else 1
-        print(json.dumps({"hf_dir": args.hf_dir, "family": policy.spec.family, "tp": args.tp, "pp": args.pp,
-                          "vpp": args.vpp, "sp": args.sp, "ep": args.ep, "etp": args.etp, "pack": args.pack, "lengths": lengths.tolist(), "dtype": args.dtype,
-                          "max_abs_logit_diff": logit_diff, "max_abs_logprob_diff": lp_diff, "tol": args.tol,
-                          "ok": ok}))
+    dtype = getattr(torch, args.dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=dtype).to(device)
+    logit_diff = lp_diff = 0.0
+    for i, n in enumerate(lengths.tolist()):  # each sample alone through transformers
+        with torch.no_grad():
+            ref = hf(tokens[i:i + 1, :n].to(device)).logits[0].double().cpu()
+        got = logits[i, :n]
+        logit_diff = max(logit_diff, (got - ref).abs().max().item())
+        lp_diff = max(lp_diff, (torch.log_softmax(got, -1) - torch.log_softmax(ref, -1)).abs().max().item())
+    ok = logit_diff <= args.tol and lp_diff <= args.tol
+    return {"hf_dir": args.hf_dir, "family": policy.spec.family, "tp": args.tp, "pp": args.pp,
+            "vpp": args.vpp, "sp": args.sp, "ep": args.ep, "etp": args.etp, "pack": args.pack,
+            "lengths": lengths.tolist(), "dtype": args.dtype,
+            "max_abs_logit_diff": logit_diff, "max_abs_logprob_diff": lp_diff, "tol": args.tol, "ok": ok}
+
+
+def main() -> int:
+    args = arg_parser().parse_args()
+    warnings.filterwarnings("ignore")
+    from megatron_flash.hf.spec import CheckpointError
+    from megatron_flash.trainer.distributed import destroy_distributed
+
+    try:
+        policy = build_policy(args)
+    except (CheckpointError, ValueError) as e:
+        print(f"check_parity: {e}", file=sys.stderr)
+        return 2
+    result = compare(policy, args)
+    if result is not None:
+        print(json.dumps(result))
     destroy_distributed()
-    return code
+    return 0 if result is None or result["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -2,11 +2,16 @@
 
 Writes into --out: logprobs.pt (fixed batch, before any step), export0/ (HF export right after
 load), export1/ (HF export after one optimizer step on a fixed loss), metrics.json.
+
+`--cases FILE` (case name → arguments, each with its own --out) runs several cases one after the
+other in this one launch (grouped_cases.run_layout_cases): each builds a fresh policy, and its files
+are bit for bit those of a launch of its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -23,6 +28,7 @@ from megatron_flash.trainer.distributed import destroy_distributed  # noqa: E402
 from megatron_flash.trainer.model_builder import MoEOptions, ScaleOptions  # noqa: E402
 from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings  # noqa: E402
 from megatron_flash.types import TrainBatch  # noqa: E402
+from tests.distributed.grouped_cases import read_cases  # noqa: E402
 
 
 def fixed_batch(vocab: int) -> TrainBatch:
@@ -56,7 +62,7 @@ def rl_fields(batch: TrainBatch, logprobs: torch.Tensor) -> dict[str, torch.Tens
     }
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--out", required=True)
@@ -78,7 +84,10 @@ def main() -> None:
     p.add_argument("--moe-aux", type=float, default=None, help="MoE load-balancing loss coefficient")
     p.add_argument("--recompute", default="none")
     p.add_argument("--lr", type=float, default=1e-3)
-    args = p.parse_args()
+    return p
+
+
+def run_case(args: argparse.Namespace) -> None:
     policy = MegatronPolicy(PolicySettings(
         hf_path=args.hf_dir, tp_size=args.tp, pp_size=args.pp, micro_batch_size=args.micro_batch_size,
         pack_sequences=not args.no_pack, max_tokens_per_micro_batch=args.max_tokens,
@@ -113,6 +122,16 @@ def main() -> None:
         torch.save(logprobs, os.path.join(args.out, "logprobs.pt"))
         with open(os.path.join(args.out, "metrics.json"), "w") as f:
             json.dump({**metrics, "dp": policy.layout.dp_size}, f)
+
+
+def main() -> None:
+    for name, argv in read_cases(sys.argv[1:]).items():
+        try:
+            run_case(parser().parse_args(argv))
+        except BaseException:
+            print(f"layout_worker: case {name!r} failed: {' '.join(argv)}", file=sys.stderr, flush=True)
+            raise
+        gc.collect()  # the previous case's model, gradients and optimizer state
     destroy_distributed()
 
 

@@ -1,4 +1,8 @@
-"""tools/check_parity.py: Megatron vs transformers logits on the same weights, per family (fp32)."""
+"""tools/check_parity.py: Megatron vs transformers logits on the same weights, per family (fp32).
+
+Every check of the module runs through parity_worker.py, one launch per process count (grouped_cases):
+each case builds its own policy and transformers model, as a launch of the tool would.
+"""
 
 from __future__ import annotations
 
@@ -7,69 +11,92 @@ import json
 import pytest
 
 from tests.conftest import run_tool
+from tests.distributed.grouped_cases import launch_grouped
 
-
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
-def test_parity_tp1(tiny_models: dict[str, str], family: str) -> None:
-    proc = run_tool(["tools/check_parity.py", "--hf-dir", tiny_models[family]])
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["family"] == family
-    assert result["max_abs_logit_diff"] <= 1e-4
-    assert result["max_abs_logprob_diff"] <= 1e-4
-
-
-def test_parity_tp2_pp2_under_torchrun(tiny_models: dict[str, str]) -> None:
-    proc = run_tool(["tools/check_parity.py", "--hf-dir", tiny_models["qwen2"], "--tp", "2", "--pp", "2"], nproc=4)
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert (result["tp"], result["pp"]) == (2, 2)
-    assert result["max_abs_logit_diff"] <= 1e-4
-
-
-def test_parity_sequence_parallel_on_the_local_spec(tiny_models: dict[str, str]) -> None:
-    """Sequence parallel without TE or Apex (the trainer's own RMSNorm), packed rows split over TP."""
-    result = last_json(run_tool(["tools/check_parity.py", "--hf-dir", tiny_models["qwen3"], "--tp", "2", "--sp",
-                                 "--pack", "--batch", "5"], nproc=2))
-    assert result["sp"] and result["tp"] == 2 and result["max_abs_logprob_diff"] <= 1e-4
-
-
-@pytest.mark.parametrize("layout,nproc", [(["--ep", "2"], 2), (["--tp", "2", "--sp", "--ep", "2"], 4)],
-                         ids=["ep2", "tp2-sp-ep2"])
-def test_parity_moe_expert_parallel(tiny_models: dict[str, str], layout: list[str], nproc: int) -> None:
-    """Qwen3-MoE with its 8 experts split over 2 ranks (each expert whole, or each also split over TP)."""
-    result = last_json(run_tool(["tools/check_parity.py", "--hf-dir", tiny_models["qwen3_moe"], *layout],
-                                nproc=nproc))
-    assert result["family"] == "qwen3_moe" and result["ep"] == 2
-    assert result["max_abs_logit_diff"] <= 1e-4 and result["max_abs_logprob_diff"] <= 1e-4
-
-
-def last_json(proc) -> dict:
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
-def test_parity_packed_samples(tiny_models: dict[str, str], family: str) -> None:
-    """Samples of different lengths packed in one row vs transformers on each sample alone."""
-    result = last_json(run_tool(["tools/check_parity.py", "--hf-dir", tiny_models[family], "--pack", "--batch", "5"]))
-    assert result["pack"] and len(set(result["lengths"])) > 1
-    assert result["max_abs_logit_diff"] <= 1e-4
-    assert result["max_abs_logprob_diff"] <= 1e-4
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe"]
+INTERLEAVED = ["llama", "qwen2", "qwen3"]  # the four-layer models: PP2 × VPP2 needs 4 layers
+MOE_LAYOUTS = {"ep2": (["--ep", "2"], 2), "tp2-sp-ep2": (["--tp", "2", "--sp", "--ep", "2"], 4)}
 
 
 @pytest.fixture(scope="module")
 def four_layer_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("four_layer_models")
     out = {}
-    for family in ("llama", "qwen2", "qwen3"):
+    for family in INTERLEAVED:
         out[family] = str(root / family)
         run_tool(["tools/make_tiny_model.py", "--out", out[family], "--arch", family, "--num-layers", "4"])
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_parity_interleaved_pipeline(four_layer_models: dict[str, str], family: str) -> None:
+@pytest.fixture(scope="module")
+def parity(tiny_models, four_layer_models, tmp_path_factory) -> dict[str, dict]:
+    """case name → the tool's JSON summary of that check."""
+    cases: dict[str, tuple[int, list[str]]] = {}
+    for family in FAMILIES:
+        cases[f"tp1-{family}"] = (1, ["--hf-dir", tiny_models[family]])
+        cases[f"packed-{family}"] = (1, ["--hf-dir", tiny_models[family], "--pack", "--batch", "5"])
+    cases["tp2pp2"] = (4, ["--hf-dir", tiny_models["qwen2"], "--tp", "2", "--pp", "2"])
+    cases["sp"] = (2, ["--hf-dir", tiny_models["qwen3"], "--tp", "2", "--sp", "--pack", "--batch", "5"])
+    for name, (layout, nproc) in MOE_LAYOUTS.items():
+        cases[f"moe-{name}"] = (nproc, ["--hf-dir", tiny_models["qwen3_moe"], *layout])
+    for family in INTERLEAVED:
+        cases[f"interleaved-{family}"] = (2, ["--hf-dir", four_layer_models[family], "--pp", "2", "--vpp", "2",
+                                              "--pack"])
+    stdout = launch_grouped("tests/distributed/parity_worker.py", cases, str(tmp_path_factory.mktemp("parity")))
+    results = {r["case"]: r for r in (json.loads(line) for line in stdout.splitlines() if line.startswith("{"))}
+    assert sorted(results) == sorted(cases), stdout[-3000:]
+    return results
+
+
+def checked(parity: dict[str, dict], case: str) -> dict:
+    """The case's summary; `ok` is the tool's own verdict (both diffs within its tolerance, 1e-4),
+    what its exit code said when each check was a launch of its own."""
+    result = parity[case]
+    assert result["ok"] and result["tol"] == 1e-4, result
+    return result
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parity_tp1(parity, family: str) -> None:
+    result = checked(parity, f"tp1-{family}")
+    assert result["family"] == family
+    assert result["max_abs_logit_diff"] <= 1e-4
+    assert result["max_abs_logprob_diff"] <= 1e-4
+
+
+def test_parity_tp2_pp2_under_torchrun(parity) -> None:
+    result = checked(parity, "tp2pp2")
+    assert (result["tp"], result["pp"]) == (2, 2)
+    assert result["max_abs_logit_diff"] <= 1e-4
+
+
+def test_parity_sequence_parallel_on_the_local_spec(parity) -> None:
+    """Sequence parallel without TE or Apex (the trainer's own RMSNorm), packed rows split over TP."""
+    result = checked(parity, "sp")
+    assert result["sp"] and result["tp"] == 2 and result["max_abs_logprob_diff"] <= 1e-4
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_parity_moe_expert_parallel(parity, layout: str) -> None:
+    """Qwen3-MoE with its 8 experts split over 2 ranks (each expert whole, or each also split over TP)."""
+    result = checked(parity, f"moe-{layout}")
+    assert result["family"] == "qwen3_moe" and result["ep"] == 2
+    assert result["max_abs_logit_diff"] <= 1e-4 and result["max_abs_logprob_diff"] <= 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parity_packed_samples(parity, family: str) -> None:
+    """Samples of different lengths packed in one row vs transformers on each sample alone."""
+    result = checked(parity, f"packed-{family}")
+    assert result["pack"] and len(set(result["lengths"])) > 1
+    assert result["max_abs_logit_diff"] <= 1e-4
+    assert result["max_abs_logprob_diff"] <= 1e-4
+
+
+@pytest.mark.parametrize("family", INTERLEAVED)
+def test_parity_interleaved_pipeline(parity, family: str) -> None:
     """PP2 × VPP2 (each rank holds two non-adjacent layers), packed, vs transformers."""
-    result = last_json(run_tool(["tools/check_parity.py", "--hf-dir", four_layer_models[family], "--pp", "2",
-                                 "--vpp", "2", "--pack"], nproc=2))
+    result = checked(parity, f"interleaved-{family}")
     assert (result["pp"], result["vpp"]) == (2, 2)
     assert result["max_abs_logit_diff"] <= 1e-4
     assert result["max_abs_logprob_diff"] <= 1e-4

@@ -34,7 +34,8 @@ import os
 import pytest
 import torch
 
-from tests.conftest import hf_weights, run_tool
+from tests.conftest import hf_weights
+from tests.distributed.grouped_cases import run_layout_cases
 
 CASES = {
     "ref": dict(tp=1, pp=1, nproc=1, extra=[], ref="ref"),
@@ -59,15 +60,14 @@ FAMILY_CASES = {
 
 @pytest.fixture(scope="module")
 def layout_runs(tiny_models: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], str]:
-    runs = {}
-    for family, cases in FAMILY_CASES.items():
-        for case in cases:
+    cases = {}
+    for family, names in FAMILY_CASES.items():
+        for case in names:
             c = CASES[case]
-            out = str(tmp_path_factory.mktemp(f"{family}_{case}"))
-            run_tool(["tests/distributed/layout_worker.py", "--hf-dir", tiny_models[family], "--out", out,
-                      "--tp", str(c["tp"]), "--pp", str(c["pp"])] + c["extra"], nproc=c["nproc"])
-            runs[(family, case)] = out
-    return runs
+            cases[f"{family}_{case}"] = (c["nproc"], ["--hf-dir", tiny_models[family], "--tp", str(c["tp"]),
+                                                      "--pp", str(c["pp"])] + c["extra"])
+    out = run_layout_cases(cases, str(tmp_path_factory.mktemp("layouts")))
+    return {(family, case): out[f"{family}_{case}"] for family, names in FAMILY_CASES.items() for case in names}
 
 
 PAIRS = [(f, c) for f, cases in FAMILY_CASES.items() for c in cases if CASES[c]["ref"] != c]

@@ -20,7 +20,8 @@ import os
 
 import pytest
 
-from tests.conftest import hf_weights, run_tool
+from tests.conftest import hf_weights
+from tests.distributed.grouped_cases import run_layout_cases
 
 BUDGET = ["--micro-batch-size", "8", "--max-tokens", "20"]
 SPLITS = {"mb8": (1, ["--micro-batch-size", "8"]), "padded_mb8": (1, ["--micro-batch-size", "8", "--no-pack"]),
@@ -39,16 +40,21 @@ LOSSES = {
 SPLITS_OF = {"gspo-seq_mean_token_sum_norm": ("mb8", "padded_mb8", "mb1", "dp2_budget20")}
 
 
+@pytest.fixture(scope="module")
+def runs(tiny_models, tmp_path_factory) -> dict[tuple[str, str], str]:
+    """Every (loss, split) run of the module, handed to run_layout_cases together (one launch per
+    process count instead of one per run)."""
+    cases = {f"{loss}__{split}": (nproc, ["--hf-dir", tiny_models["llama"]] + extra + LOSSES[loss])
+             for loss in LOSSES for split, (nproc, extra) in SPLITS.items() if split in SPLITS_OF.get(loss, SPLITS)}
+    out = run_layout_cases(cases, str(tmp_path_factory.mktemp("loss_invariance")))
+    return {tuple(name.split("__")): path for name, path in out.items()}
+
+
 @pytest.mark.parametrize("loss", list(LOSSES))
-def test_same_step_for_every_split(tiny_models, tmp_path, loss: str) -> None:
-    result = {}
-    for split, (nproc, extra) in SPLITS.items():
-        if split not in SPLITS_OF.get(loss, SPLITS):
-            continue
-        out = str(tmp_path / split)
-        run_tool(["tests/distributed/layout_worker.py", "--hf-dir", tiny_models["llama"], "--out", out]
-                 + extra + LOSSES[loss], nproc=nproc)
-        result[split] = (hf_weights(os.path.join(out, "export0")), hf_weights(os.path.join(out, "export1")))
+def test_same_step_for_every_split(runs, loss: str) -> None:
+    result = {split: (hf_weights(os.path.join(path, "export0")), hf_weights(os.path.join(path, "export1")))
+              for (name, split), path in runs.items() if name == loss}
+    assert set(result) == set(SPLITS_OF.get(loss, SPLITS))
     before, ref = result["mb8"]
     moved = max((ref[k] - before[k]).abs().max().item() for k in ref)
     assert moved > 1e-4, "the step did not move the weights"

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from tests.conftest import hf_weights, run_tool
+from tests.distributed.grouped_cases import run_layout_cases
 
 LENGTHS = [6, 16, 7, 11, 8, 13, 9, 12]  # layout_worker.fixed_batch, written out independently
 BUDGET = ["--max-tokens", "24"]
@@ -57,13 +58,9 @@ def four_layer_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def runs(tiny_models, four_layer_model, tmp_path_factory) -> dict[str, str]:
     models = {"two": tiny_models["llama"], "four": four_layer_model}
-    out = {}
-    for case, (model, nproc, extra, _) in CASES.items():
-        path = str(tmp_path_factory.mktemp(case))
-        run_tool(["tests/distributed/layout_worker.py", "--hf-dir", models[model], "--out", path,
-                  "--lr", "1", "--micro-batch-size", "2"] + extra, nproc=nproc)
-        out[case] = path
-    return out
+    cases = {case: (nproc, ["--hf-dir", models[model], "--lr", "1", "--micro-batch-size", "2"] + extra)
+             for case, (model, nproc, extra, _) in CASES.items()}
+    return run_layout_cases(cases, str(tmp_path_factory.mktemp("packing")))
 
 
 def metrics(path: str) -> dict[str, float]:

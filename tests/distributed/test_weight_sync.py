@@ -12,10 +12,14 @@
                                                    (broadcast: gathered to the stage's sender)
   MoE TP2 EP2 4       1     ipc                    + each expert all-gathered over expert-TP (with SP)
 
-After two SGD steps (lr 0.5: the weights move far from the checkpoint) and a sync, every engine
-samples and its behavior logprobs must equal the trainer's logprobs of the same tokens (≤ 1e-4,
-fp32), it must report the new weight_version, and the bridge's own post-sync probe (teacher-forced
-input logprobs) must agree too.
+Each layout starts its trainer and engines once and syncs with its transports in turn (verify.py
+with --transport repeated; the start-up, not the sync, is what a run costs): before each sync two SGD
+steps (lr 0.5: the weights move far from what the engines serve) and the engines are compared with
+the trainer, which must show that difference (stale diff > STALE_MIN, so no transport can pass by
+leaving the previous transport's weights in place). After each sync every engine samples and its
+behavior logprobs must equal the trainer's logprobs of the same tokens (≤ 1e-4, fp32), it must report
+that sync's weight_version, and the bridge's own post-sync probe (teacher-forced input logprobs)
+must agree too.
 """
 
 from __future__ import annotations
@@ -26,37 +30,60 @@ import pytest
 
 from tests.conftest import run_tool
 
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
-CASES = [(tp, pp, transport, 1) for tp, pp in LAYOUTS for transport in ("ipc", "broadcast", "disk")]
-CASES.append((2, 2, "broadcast", 2))
+TRANSPORTS = ("ipc", "broadcast", "disk")
+VERSION = 3  # the first transport's; the next ones sync VERSION + 1, VERSION + 2
+STALE_MIN = 1e-2  # two SGD steps at lr 0.5 move the engines' logprobs by far more than this
+RUNS = {  # one verify.py launch each: model, layout, processes, engines, its transports in turn
+    "tp1pp1": ("llama", [], 1, 1, TRANSPORTS),
+    "tp2pp1": ("llama", ["--tp", "2"], 2, 1, TRANSPORTS),
+    "tp1pp2": ("llama", ["--pp", "2"], 2, 1, TRANSPORTS),
+    "tp2pp2": ("llama", ["--tp", "2", "--pp", "2"], 4, 1, TRANSPORTS),
+    "tp2pp2-2engines": ("llama", ["--tp", "2", "--pp", "2"], 4, 2, ("broadcast",)),
+    "ep2": ("qwen3_moe", ["--ep", "2"], 2, 1, TRANSPORTS),
+    "tp2sp-ep2": ("qwen3_moe", ["--tp", "2", "--sp", "--ep", "2"], 4, 1, ("ipc",)),
+}
+DENSE = [(run, t) for run, spec in RUNS.items() if spec[0] == "llama" for t in spec[4]]
+MOE = [(run, t) for run, spec in RUNS.items() if spec[0] == "qwen3_moe" for t in spec[4]]
 
 
-@pytest.mark.parametrize("tp,pp,transport,num_engines", CASES,
-                         ids=[f"tp{t}pp{p}-{x}" + (f"-{n}engines" if n > 1 else "") for t, p, x, n in CASES])
-def test_engine_serves_the_trainer_weights_after_sync(tiny_models, tp: int, pp: int, transport: str,
-                                                      num_engines: int) -> None:
-    proc = run_tool(["tools/weight_sync/verify.py", "--model-path", tiny_models["llama"], "--tp", str(tp),
-                     "--pp", str(pp), "--transport", transport, "--version", "3",
-                     "--num-engines", str(num_engines)], nproc=tp * pp)
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["weight_versions"] == ["3"]
+@pytest.fixture(scope="module")
+def synced(tiny_models) -> dict[tuple[str, str], dict]:
+    """(run, transport) → that sync's JSON line from verify.py."""
+    results = {}
+    for run, (model, layout, nproc, engines, transports) in RUNS.items():
+        proc = run_tool(["tools/weight_sync/verify.py", "--model-path", tiny_models[model], *layout,
+                         "--num-engines", str(engines), "--version", str(VERSION)]
+                        + [a for t in transports for a in ("--transport", t)],
+                        nproc=nproc, timeout=300 + 100 * len(transports))
+        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert [r["transport"] for r in lines] == list(transports), proc.stdout[-3000:]
+        results.update({(run, r["transport"]): r for r in lines})
+    return results
+
+
+def check_sync(result: dict, run: str, transport: str) -> None:
+    transports = RUNS[run][4]
+    assert result["weight_versions"] == [str(VERSION + transports.index(transport))], result
     assert result["max_abs_logprob_diff"] <= 1e-4, result
     assert result["probe_max_abs_logprob_diff"] <= 1e-4, result
-    assert len(result["synced_urls"]) == num_engines and result["failed_urls"] == []
+    assert len(result["synced_urls"]) == RUNS[run][3] and result["failed_urls"] == [], result
+    if len(transports) > 1:  # the engines served other weights until this sync
+        assert result["stale_max_abs_logprob_diff"] > STALE_MIN, result
+
+
+@pytest.mark.parametrize("run,transport", DENSE, ids=[f"{r}-{t}" for r, t in DENSE])
+def test_engine_serves_the_trainer_weights_after_sync(synced, run: str, transport: str) -> None:
+    result = synced[(run, transport)]
+    check_sync(result, run, transport)
     if transport != "disk":
         assert result["num_buckets"] >= 2 and result["bytes_sent"] > 0
 
 
-MOE_CASES = [(["--ep", "2"], 2, t) for t in ("ipc", "broadcast", "disk")] + [(["--tp", "2", "--sp", "--ep", "2"], 4, "ipc")]
-
-
-@pytest.mark.parametrize("layout,nproc,transport", MOE_CASES, ids=["ep2-ipc", "ep2-broadcast", "ep2-disk", "tp2sp-ep2-ipc"])
-def test_moe_experts_reach_the_engine(tiny_models, layout: list[str], nproc: int, transport: str) -> None:
-    proc = run_tool(["tools/weight_sync/verify.py", "--model-path", tiny_models["qwen3_moe"], *layout,
-                     "--transport", transport, "--version", "2"], nproc=nproc)
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["ep"] == 2 and result["weight_versions"] == ["2"]
-    assert result["max_abs_logprob_diff"] <= 1e-4 and result["probe_max_abs_logprob_diff"] <= 1e-4, result
+@pytest.mark.parametrize("run,transport", MOE, ids=[f"{r}-{t}" for r, t in MOE])
+def test_moe_experts_reach_the_engine(synced, run: str, transport: str) -> None:
+    result = synced[(run, transport)]
+    assert result["ep"] == 2
+    check_sync(result, run, transport)
     if transport != "disk":  # 2 layers × 8 experts × 3 tensors + router, attention, norms, embedding
         assert result["bytes_sent"] > 0 and result["num_buckets"] >= 2
 

@@ -224,9 +224,11 @@ def _main() -> int:
     code = 0
     try:
         step()
+        # A broadcast cut mid-sync (resync) waits timeout_s, and the stalled engine is waited for at
+        # each call and at the liveness check: short deadlines, far above a tiny model's calls (ms).
         bridge = WeightBridge(policy, urls, transport=args.transport, bucket_mb=0.05, fail_fast=args.fail_fast,
-                              on_bucket=on_bucket,  # a broadcast cut mid-sync waits timeout_s
-                              timeout_s=5 if args.scenario == "stall" else 30)
+                              on_bucket=on_bucket, timeout_s=5 if args.scenario == "stall" else 10,
+                              alive_timeout_s=5)
         if args.scenario == "probe_kill":  # A dies after its sync, before the probe reaches it
             probe = bridge.probe
 

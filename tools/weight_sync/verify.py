@@ -6,6 +6,7 @@
     ... --num-engines 2                          # two local engine servers (broadcast: both in each stage's group)
     ... --engine-url http://127.0.0.1:30000      # use running engines (repeat the flag) instead of local engine servers
     ... --engine-device cuda                     # the local engine on the GPU (ipc: CUDA handles, device to device)
+    ... --transport ipc --transport broadcast --transport disk   # one sync per transport, in turn, same engines
 
 Builds the Megatron policy (layout --tp × --pp), takes --steps SGD steps on a fixed loss so the
 weights move away from the checkpoint, pushes them to the engine with the chosen transport, then
@@ -14,6 +15,12 @@ logprobs of the same tokens (independent of the bridge's own post-sync probe, wh
 reported too). Prints as its last line one JSON object with `max_abs_logprob_diff`, the engines'
 `weight_version`, the probe's `probe_max_abs_logprob_diff`, the sync seconds and bytes. Exit 0 when
 the diff ≤ --tol on every engine.
+
+With --transport repeated, the transports take turns on the same engines (one start-up of trainer
+and engines instead of one per transport): before each, --steps more steps move the weights, and
+the sync's version is --version + its index. Each prints its own JSON line, with
+`stale_max_abs_logprob_diff`, the same comparison just before the sync: what the engines served
+then was the previous weights, so a transport that delivered nothing would leave its diff that large.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ def main() -> int:
     p.add_argument("--sp", action="store_true", help="sequence parallel (needs --tp > 1; MoE with TP needs it)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
     p.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (default: --tp)")
-    p.add_argument("--transport", default="ipc", choices=["ipc", "broadcast", "disk"])
+    p.add_argument("--transport", action="append", choices=["ipc", "broadcast", "disk"],
+                   help="ipc (default), broadcast or disk; repeat to sync with each in turn")
     p.add_argument("--engine-url", action="append", default=[])
     p.add_argument("--num-engines", type=int, default=1, help="local engine servers to start (without --engine-url)")
     p.add_argument("--engine-device", default="cpu", help="device of the started engine servers: cpu, cuda, cuda:N")
@@ -83,18 +91,11 @@ def main() -> int:
     shared = [urls, tmp]
     dist.broadcast_object_list(shared, src=0)
     urls, tmp = shared
-    code = 1
-    try:
-        gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(4, policy.spec.vocab_size, (8, 12), generator=gen)
-        batch = TrainBatch(tokens=tokens, loss_mask=torch.ones(8, 12))
-        for _ in range(args.steps):
-            policy.train_step(batch, nll_loss_fn)
-        bridge = WeightBridge(policy, urls, transport=args.transport, bucket_mb=args.bucket_mb,
-                              disk_dir=os.path.join(tmp, "weights"), fail_fast=True)
-        report = bridge.sync(args.version)
+    prompts = [[11, 9, 12, 10, 18], [5, 6, 7, 8], [20, 21, 22]]
 
-        prompts = [[11, 9, 12, 10, 18], [5, 6, 7, 8], [20, 21, 22]]
+    def engines_vs_trainer() -> tuple[float, list[str]]:
+        """Every engine samples the prompts; the largest |engine − trainer| logprob over the sampled
+        tokens (every rank) and the versions the engines reported."""
         samples: list = [None]
         if rank0:
             async def sample(url: str) -> list:
@@ -110,19 +111,42 @@ def main() -> int:
             lp, _ = policy.compute_logprobs(TrainBatch(tokens=seq, loss_mask=torch.zeros(seq.shape)))
             trainer_lp = lp[0, len(prompt):]
             worst = max(worst, (trainer_lp.double() - torch.tensor(engine_lp, dtype=torch.float64)).abs().max().item())
-        code = 0 if worst <= args.tol else 1
-        if rank0:
-            print(json.dumps({"transport": args.transport, "tp": args.tp, "pp": args.pp, "ep": args.ep,
-                              "num_engines": len(urls), "max_abs_logprob_diff": worst,
-                              "weight_version": samples[0][0][3],
-                              "weight_versions": sorted({s[3] for s in samples[0]}),
-                              "probe_max_abs_logprob_diff": report.max_abs_logprob_diff,
-                              "probe_mean_abs_logprob_diff": report.mean_abs_logprob_diff,
-                              "sync_seconds": round(report.seconds, 3), "probe_seconds": round(report.probe_seconds, 3),
-                              "bytes_sent": report.bytes_sent, "num_buckets": report.num_buckets,
-                              "synced_urls": report.synced_urls, "failed_urls": report.failed_urls,
-                              "ipc_paths": sorted(set(getattr(bridge.transport, "paths", {}).values())),
-                              "ok": code == 0}))
+        return worst, [s[3] for s in samples[0]]
+
+    code = 0
+    try:
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(4, policy.spec.vocab_size, (8, 12), generator=gen)
+        batch = TrainBatch(tokens=tokens, loss_mask=torch.ones(8, 12))
+        transports = args.transport or ["ipc"]
+        for index, transport in enumerate(transports):
+            for _ in range(args.steps):
+                policy.train_step(batch, nll_loss_fn)
+            stale = engines_vs_trainer()[0] if len(transports) > 1 else None
+            version = args.version + index
+            bridge = WeightBridge(policy, urls, transport=transport, bucket_mb=args.bucket_mb,
+                                  disk_dir=os.path.join(tmp, "weights"), fail_fast=True)
+            report = bridge.sync(version)
+            worst, versions = engines_vs_trainer()
+            ok = worst <= args.tol
+            code = code or (0 if ok else 1)
+            if rank0:
+                print(json.dumps({"transport": transport, "version": version, "tp": args.tp, "pp": args.pp,
+                                  "ep": args.ep, "num_engines": len(urls), "max_abs_logprob_diff": worst,
+                                  "stale_max_abs_logprob_diff": stale, "weight_version": versions[0],
+                                  "weight_versions": sorted(set(versions)),
+                                  "probe_max_abs_logprob_diff": report.max_abs_logprob_diff,
+                                  "probe_mean_abs_logprob_diff": report.mean_abs_logprob_diff,
+                                  "sync_seconds": round(report.seconds, 3), "probe_seconds": round(report.probe_seconds, 3),
+                                  "bytes_sent": report.bytes_sent, "num_buckets": report.num_buckets,
+                                  "synced_urls": report.synced_urls, "failed_urls": report.failed_urls,
+                                  "ipc_paths": sorted(set(getattr(bridge.transport, "paths", {}).values())),
+                                  "ok": ok}), flush=True)
+            if index + 1 < len(transports):
+                bridge.close()  # its buffers or broadcast group; the next transport brings its own
+    except BaseException:
+        code = 1
+        raise
     finally:
         if launcher is not None:
             launcher.__exit__(None, None, None)

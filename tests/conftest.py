@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -52,14 +53,18 @@ def hf_weights(path: str) -> dict:
     return out
 
 
+def make_tiny_models(arg_lists: list[list[str]]) -> None:
+    """tools/make_tiny_model.py once per argument list, all in one process: importing torch and
+    transformers costs more than making a tiny model (the tool's output depends on its arguments only)."""
+    code = "import json, sys\nfrom tools.make_tiny_model import main\nfor argv in json.loads(sys.argv[1]): main(argv)"
+    run_tool(["-c", code, json.dumps(arg_lists)])
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny_models")
-    out = {}
-    for arch in ("llama", "qwen2", "qwen3", "qwen3_moe"):
-        path = str(root / arch)
-        run_tool(["tools/make_tiny_model.py", "--out", path, "--arch", arch, "--seed", "0"])
-        out[arch] = path
+    out = {arch: str(root / arch) for arch in ("llama", "qwen2", "qwen3", "qwen3_moe")}
+    make_tiny_models([["--out", path, "--arch", arch, "--seed", "0"] for arch, path in out.items()])
     return out
 
 

@@ -5,11 +5,13 @@
                after step 2) into --out: the uninterrupted run.
 --mode resume: a fresh policy in this process's layout loads that checkpoint and takes the step on
                batch B; writes the same files. The test compares the two.
+--cases FILE:  several of the above in one launch, one after the other (grouped_cases.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -26,6 +28,7 @@ from megatron_flash.trainer import checkpoint as ckpt  # noqa: E402
 from megatron_flash.trainer.distributed import destroy_distributed  # noqa: E402
 from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings  # noqa: E402
 from megatron_flash.types import TrainBatch  # noqa: E402
+from tests.distributed.grouped_cases import read_cases  # noqa: E402
 from tests.distributed.layout_worker import weighted_nll  # noqa: E402
 
 
@@ -39,7 +42,7 @@ def batch(vocab: int, seed: int) -> TrainBatch:
     return TrainBatch(tokens=tokens, loss_mask=mask, advantages=torch.randn(8, 16, generator=gen))
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--ckpt-dir", required=True)
@@ -48,7 +51,10 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--distributed-optimizer", action="store_true")
-    args = p.parse_args()
+    return p
+
+
+def run_case(args: argparse.Namespace) -> None:
     policy = MegatronPolicy(PolicySettings(
         hf_path=args.hf_dir, tp_size=args.tp, pp_size=args.pp, micro_batch_size=2, optimizer_steps=10,
         optimizer=OptimizerConfig(name="adam", lr=1e-2, clip_grad=1e6, lr_warmup_steps=3,
@@ -74,6 +80,16 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(os.path.join(args.out, "metrics.json"), "w") as f:
             json.dump(out, f)
+
+
+def main() -> None:
+    for name, argv in read_cases(sys.argv[1:]).items():
+        try:
+            run_case(parser().parse_args(argv))
+        except BaseException:
+            print(f"ckpt_layout_worker: case {name!r} failed: {' '.join(argv)}", file=sys.stderr, flush=True)
+            raise
+        gc.collect()  # the previous case's model and optimizer state
     destroy_distributed()
 
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.conftest import run_tool
+from tests.conftest import make_tiny_models
 from tests.distributed.grouped_cases import launch_grouped
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe"]
@@ -21,10 +21,8 @@ MOE_LAYOUTS = {"ep2": (["--ep", "2"], 2), "tp2-sp-ep2": (["--tp", "2", "--sp", "
 @pytest.fixture(scope="module")
 def four_layer_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("four_layer_models")
-    out = {}
-    for family in INTERLEAVED:
-        out[family] = str(root / family)
-        run_tool(["tools/make_tiny_model.py", "--out", out[family], "--arch", family, "--num-layers", "4"])
+    out = {family: str(root / family) for family in INTERLEAVED}
+    make_tiny_models([["--out", path, "--arch", family, "--num-layers", "4"] for family, path in out.items()])
     return out
 
 

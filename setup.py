@@ -37,6 +37,7 @@ setup(
                 "wandb==0.31.0", "tensorboard==2.21.0", "datasets==5.2.0", "math-verify==0.9.0"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7",  # matplotlib: benchmark plots
                 "openai>=1.40"],  # the agent gateway is tested with the official client
+        "report": ["matplotlib>=3.7"],  # tools/report.py (pinned in requirements/cpu-lock.txt)
         # GPU clusters: SGLang engines. transformer-engine is optional (Megatron falls back to torch
         # norms/attention without it) and is installed separately against the cluster's CUDA.
         # NVIDIA Apex is built from source; the PyPI package named "apex" is unrelated — never add it.

@@ -12,7 +12,8 @@ engine server. Same model, data and response-length distribution in both:
   policy   moves only slightly (lr --lr, default 1e-6) so both modes generate the same length
            distribution all run long (learning is benchmarks/learning.py's subject);
   engine   the quickstart's local engine server (64 KV blocks: ~21 requests run at once);
-  batch    --prompts × --n samples per step, one micro-batch; ppo loss.
+  batch    --prompts × --n samples per step, one micro-batch; ppo loss (speed, not learning, is measured:
+           its α > 0 runs set loss.allow_uncorrected=true).
 
 The model size is the knob that balances the two stages: with α = 0 a step is rollout + train + sync
 run one after the other, with α = 2 it is bounded by the slower of rollout and train + sync. With the
@@ -80,9 +81,10 @@ def main() -> int:
         *[f"engines.server_args.{k}={v}" for k, v in benchlib.engine_device_server_args(args).items()],
         *args.overrides,
     ]
-    order = [("sync", ["async_rl.alpha=0"]), ("async", [f"async_rl.alpha={args.alpha}"])]
+    opt_in = benchlib.uncorrected_opt_in(args.loss, args.alpha)
+    order = [("sync", ["async_rl.alpha=0"]), ("async", [f"async_rl.alpha={args.alpha}", *opt_in])]
     if args.eager:
-        order.append(("async_eager", [f"async_rl.alpha={args.alpha}", "async_rl.admission=eager"]))
+        order.append(("async_eager", [f"async_rl.alpha={args.alpha}", "async_rl.admission=eager", *opt_in]))
     runs: dict[str, list[dict]] = {mode: [] for mode, _ in order}
     t0 = time.time()
     load_before = benchlib.uptime_load()

@@ -39,6 +39,17 @@ MODELS_DIR = os.path.join(REPO, "runs", "bench_models")
 BASE_OVERRIDES = ["logging.wandb_mode=disabled", "logging.tensorboard=false", "checkpoint.save_hf_at_end=false"]
 
 
+def uncorrected_opt_in(loss: str, alpha: int, *, code: str = REPO, params: Optional[dict] = None) -> list[str]:
+    """["loss.allow_uncorrected=true"] for a loss without behaviour correction (its registry flag) at
+    alpha > 0, which the launcher refuses without it, when the code that runs knows the key (a --compare
+    revision from before it neither refuses nor knows it); else []."""
+    from megatron_flash.losses import get_loss
+
+    with open(os.path.join(code, "megatron_flash", "config", "schema.py")) as f:
+        knows = "allow_uncorrected:" in f.read()
+    return ["loss.allow_uncorrected=true"] if alpha > 0 and knows and get_loss(loss, **(params or {})).on_policy else []
+
+
 def log(name: str, msg: str) -> None:
     print(f"[{name} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 

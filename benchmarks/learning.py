@@ -6,7 +6,9 @@
 
     OMP_NUM_THREADS=1 python benchmarks/learning.py --seeds 0,1,2 --repeats 4 --losses tis --no-sync --compare REV
 
-A --losses item is `loss` or `loss/aggregation` (loss.aggregation; default token_mean).
+A --losses item is `loss`, `loss/aggregation` (loss.aggregation; default token_mean), and may end in
+`@key=value,...` with more loss.* settings for that item only, e.g. `gspo/seq_mean_token_mean@params.
+behavior_weight=none` (GSPO without its behaviour weight) or `decoupled_ppo@prox_logprobs=approximate`.
 
 --compare REV runs another commit's code (its launcher, package and quickstart config, exported once
 under runs/compare/) beside this checkout's, on the same warm models (built by this checkout), each
@@ -19,7 +21,8 @@ starts at chance, ≈ 1/24), 16 prompts × 8 samples per step, Adam lr 1e-3, one
 Every run trains --steps steps on --steps × 128 samples; runs differ only in α and the loss:
 
   sync   α = 0, ppo (on-policy: π_prox = μ up to engine/trainer numerics)
-  async  α = --alpha with each loss of --losses (samples up to α versions old)
+  async  α = --alpha with each loss of --losses (samples up to α versions old); a loss without behaviour
+         correction (ppo, reinforce) runs with loss.allow_uncorrected=true: measuring it is the point
 
 `final_reward` is the mean reward of the last 5 steps (the samples each step trained on). The paper
 (ROLL Flash) reports parity of async with off-policy corrections vs sync. Curves go to --plot (PNG).
@@ -73,7 +76,31 @@ def plot(curves: dict[str, dict[int, list[float]]], path: str, *, alpha: int) ->
 
 
 DIAGNOSTICS = ("train/mismatch_abs", "train/approx_kl", "train/grad_norm", "train/is_weight_mean",
-               "staleness_token_mean", "rollout_lookahead", "mismatch_labelled_abs", "time_step")
+               "staleness_token_mean", "rollout_lookahead", "mismatch_labelled_abs", "time_step", "time_train")
+
+
+def item_overrides(item: str, *, alpha: int, code: str) -> list[str]:
+    """Config overrides of one --losses item (see the module docstring), with the opt-in an
+    uncorrected loss needs at α > 0."""
+    spec, _, extra = item.partition("@")
+    loss, _, aggregation = spec.partition("/")
+    settings = [f"loss.{kv.strip()}" for kv in extra.split(",") if kv.strip()]
+    params = {}
+    for kv in settings:
+        key, _, value = kv.partition("=")
+        if key.startswith("loss.params."):
+            params[key.removeprefix("loss.params.")] = _value(value)
+    return [f"loss.name={loss}", f"loss.aggregation={aggregation or 'token_mean'}", *settings,
+            *benchlib.uncorrected_opt_in(loss, alpha, code=code, params=params)]
+
+
+def _value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
 COLLAPSED = 0.1  # a final reward below this (chance is ≈ 0.04) counts as a collapse
 
 
@@ -137,15 +164,14 @@ def main() -> int:
         model = benchlib.quickstart_warm_model(seed=seed, name=name)
         for rep in range(args.repeats):
             for label, alpha, item in runs:
-                loss, _, aggregation = item.partition("/")
                 # Alternate which code runs first, so neither always meets the box right after the other.
                 admission = [f"async_rl.admission={args.admission}"] if args.admission and alpha else []
                 for code, tree in (codes if rep % 2 == 0 else codes[::-1]):
-                    tag = f"a{alpha}_{item.replace('/', '_')}_s{seed}_r{rep}" + ("" if code == codes[0][0] else
-                                                                                 f"_{code}")
+                    safe = "".join(c if c.isalnum() or c in "_-" else "_" for c in item)
+                    tag = f"a{alpha}_{safe}_s{seed}_r{rep}" + ("" if code == codes[0][0] else f"_{code}")
                     rows, _ = benchlib.run_pipeline(model=model, run_dir=os.path.join(benchlib.REPO, args.out, tag),
                                                     name=name, code=tree, overrides=[
-                        f"async_rl.alpha={alpha}", f"loss.name={loss}", f"loss.aggregation={aggregation or 'token_mean'}",
+                        f"async_rl.alpha={alpha}", *item_overrides(item, alpha=alpha, code=tree),
                         f"trainer.total_steps={args.steps}", f"trainer.seed={seed}", *admission, *args.overrides])
                     rewards = [r["reward_mean"] for r in rows]
                     final = statistics.fmean(rewards[-args.last:])

@@ -70,15 +70,56 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_paths(cfg: RunConfig) -> None:
+    """What the run reads from disk, checked on every rank before any process group: a wrong path is
+    one line naming its key, not a traceback from deep inside start-up. ValueError otherwise."""
+    from megatron_flash.config.schema import RUN_MODES
+    from megatron_flash.hf.spec import read_hf_spec
+
+    if not cfg.model.hf_path:
+        raise ValueError("model.hf_path must be set: the HF checkpoint directory trainer and engines start from")
+    models = [("model.hf_path", cfg.model.hf_path)]  # the KL reference model is this checkpoint too
+    if cfg.distill.teacher:
+        models.append(("distill.teacher", cfg.distill.teacher))
+    for key, model in models:
+        if not os.path.isdir(model):
+            raise ValueError(f"{key}={model!r}: no such directory")
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ValueError(f"{key}={model!r} has no config.json: not a Hugging Face model directory")
+    try:  # an architecture the trainer builds (the teacher is only served by engines)
+        read_hf_spec(cfg.model.hf_path)
+    except ValueError as err:  # unreadable JSON, an unsupported architecture: the message names the file
+        raise ValueError(f"model.hf_path: {err}") from None
+    mode = RUN_MODES[cfg.trainer.mode]
+    paths = [("trainer.replay_path", cfg.trainer.replay_path)] if mode.replays else []
+    if mode.generates and cfg.data.path and not cfg.agentic.env:  # env episodes draw no prompts
+        paths.append(("data.path", cfg.data.path))  # a file, or a dataset's directory
+    paths += [(f"eval.datasets.{name}.path", spec["path"]) for name, spec in cfg.eval.datasets.items()
+              if spec.get("path")]
+    for key, path in paths:
+        if not os.path.exists(path):
+            raise ValueError(f"{key}={path!r}: no such file or directory")
+        if not os.access(path, os.R_OK | (os.X_OK if os.path.isdir(path) else 0)):
+            raise ValueError(f"{key}={path!r}: not readable by this user")
+
+
 def run(cfg: RunConfig) -> int:
     """Hand the validated config to the controller; torch and Megatron are imported from here on."""
+    from megatron_flash.controller.assembly import check_loss
     from megatron_flash.trainer.loss_adapter import build_loss
 
-    try:  # the loss and its parameters are checked before any process group exists
+    try:  # the loss, its parameters and its fit to the run's staleness: before any process group exists
         loss = build_loss(cfg.loss)
+        check_loss(cfg, loss)
     except ValueError as err:
         if _is_local_leader():
             print(f"config error: loss: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    try:
+        check_paths(cfg)
+    except ValueError as err:
+        if _is_local_leader():
+            print(f"config error: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     from megatron_flash.controller import run as run_controller
 
@@ -98,10 +139,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         if _is_local_leader():
             sys.stdout.write(config_to_yaml(cfg))
         return 0
-    from megatron_flash.hf.hub import resolve_model_path
+    from megatron_flash.hf.hub import resolve_dataset_path, resolve_model_path
 
     try:  # a Hub id becomes its snapshot directory in the Hugging Face cache, the same on every rank
         cfg.model.hf_path = resolve_model_path(cfg.model.hf_path)
+        if cfg.distill.teacher:
+            cfg.distill.teacher = resolve_model_path(cfg.distill.teacher, key="distill.teacher")
+        cfg.data.path = resolve_dataset_path(cfg.data.path)
+        for name, spec in cfg.eval.datasets.items():  # held-out sets may be Hub datasets too
+            if spec.get("path"):
+                spec["path"] = resolve_dataset_path(spec["path"], key=f"eval.datasets.{name}.path")
     except ValueError as err:
         if _is_local_leader():
             print(f"config error: {err}", file=sys.stderr)

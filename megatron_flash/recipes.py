@@ -73,6 +73,62 @@ def length_bias(trained: Sequence[Any], dropped: dict[str, list[int]]) -> dict[s
     return out
 
 
+def teacher_logprobs(samples: Sequence[Any], loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B, S] log π_teacher of each response token in collate's layout (0 off the response); a sample
+    without teacher logprobs (e.g. replayed from a run without a teacher) is named."""
+    out = torch.zeros_like(loss_mask, dtype=torch.float32)
+    for i, s in enumerate(samples):
+        if s.teacher_logprobs is None:
+            raise ValueError(f"distill.teacher is set but sample {i} (prompt {s.prompt_index}) carries no teacher "
+                             "logprobs (replayed from a run without a teacher?)")
+        start = len(s.prompt_ids)
+        out[i, start:start + len(s.teacher_logprobs)] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
+    return out * (loss_mask != 0)
+
+
+def distill_advantages(batch: TrainBatch, teacher: torch.Tensor, *, coef: float, mode: str,
+                       baseline: str = "none") -> torch.Tensor:
+    """On-policy distillation's per-token advantage (distill.mode): with k_t = log μ(y_t) − log π_teacher(y_t),
+    the reverse-KL estimate on the student's own token (μ: the student engine that sampled it),
+
+        add:   Â_t = A_t − coef · k_t          only:  Â_t = −coef · k_t
+
+    on trained tokens, 0 elsewhere (e.g. log μ = −2.0, log π_teacher = −0.5, coef 1: k = −1.5, so the
+    token the teacher likes better than the student does gets +1.5 added)."""
+    mask = (batch.loss_mask != 0).to(torch.float32)
+    kl = (batch.behavior_logprobs - teacher) * mask
+    if baseline == "mean":  # k_t minus the step's mean over trained tokens: some sampled tokens gain
+        kl = (kl - (kl * mask).sum() / mask.sum().clamp(min=1)) * mask
+    base = batch.advantages if mode == "add" else torch.zeros_like(kl)
+    return (base - coef * kl) * mask
+
+
+def distill_metrics(samples: Sequence[Any]) -> dict[str, float]:
+    """distill/reverse_kl (mean k_t per response token) and distill/teacher_logprob (mean log π_teacher),
+    over model tokens of the samples that carry teacher logprobs ({} when none does)."""
+    kl, teacher, n = 0.0, 0.0, 0
+    for s in samples:
+        if s.teacher_logprobs is None:
+            continue
+        mask = s.response_mask or [1] * len(s.response_ids)
+        for mu, t, m in zip(s.behavior_logprobs, s.teacher_logprobs, mask):
+            if m:
+                kl, teacher, n = kl + (mu - t), teacher + t, n + 1
+    return {"distill/reverse_kl": kl / n, "distill/teacher_logprob": teacher / n} if n else {}
+
+
+def behavior_lags(samples: Sequence[Any], version: int, loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B, S] of version − the label of the weights that sampled each response token (collate's layout:
+    a sample's response starts after its prompt); an unknown label (−1) counts as the sample's first
+    version, the oldest it can be. 0 off the response."""
+    lags = torch.zeros_like(loss_mask, dtype=torch.float32)
+    for i, s in enumerate(samples):
+        start = len(s.prompt_ids)
+        row = [version - (v if v >= 0 else s.version_start) for v in s.versions_per_token()]
+        lags[i, start:start + len(row)] = torch.tensor(row, dtype=torch.float32)
+    return lags * (loss_mask != 0)
+
+
 def token_staleness(samples: Sequence[Any], version: int) -> dict[str, Any]:
     """Staleness of the weights that sampled each trained token (version − its label), not of the
     sample's start: a sample started at v whose tokens came after a push is fresher than V − v says.

@@ -5,6 +5,8 @@
     W&B                         wandb.log, every log_interval steps      (logging.wandb_mode)
     console                     a tqdm bar over total_steps; its postfix shows reward_mean,
                                 staleness_mean and tokens_per_s when present
+    {run_dir}/trace.json        the run's timeline, written after each step   (logging.trace;
+                                trace.py: rotated every logging.trace_rotate_steps steps)
 
 Only rank 0 writes; on other ranks every method is a no-op. Logging never stops a training run:
 a missing `tensorboard` package or a W&B init failure (e.g. `online` without network or API key)
@@ -25,6 +27,8 @@ import math
 import os
 import sys
 from typing import Any, Mapping, Optional
+
+from megatron_flash.trace import TRACER
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +75,7 @@ class Tracker:
         self._tensorboard = None
         self._wandb_run = None
         self._bar = None
+        self._tracing = False
         if not self.active:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -79,6 +84,9 @@ class Tracker:
             self._tensorboard = self._open_tensorboard()
         if logging_cfg.wandb_mode != "disabled":
             self._wandb_run = self._open_wandb(logging_cfg.wandb_project, logging_cfg.wandb_mode, config)
+        if logging_cfg.trace:
+            TRACER.start(run_dir, rotate_steps=logging_cfg.trace_rotate_steps)
+            self._tracing = True
         from tqdm import tqdm
 
         self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -111,6 +119,8 @@ class Tracker:
             raise ValueError("metrics must not contain the key 'step' (it is the log call's own argument)")
         clean = {name: _scalar(name, value) for name, value in metrics.items()}
         self._jsonl.write(json.dumps({"step": step, **clean}, allow_nan=False) + "\n")
+        if self._tracing:
+            TRACER.step_done(step)
         self._advance_bar(step)
         if step % self.log_interval != 0 and step != self.total_steps:
             return
@@ -172,6 +182,8 @@ class Tracker:
         if self._closed:
             return
         self._closed = True
+        if self._tracing:
+            TRACER.stop()
         if self._bar is not None:
             self._bar.close()
         if self._tensorboard is not None:

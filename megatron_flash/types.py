@@ -16,6 +16,13 @@ import numpy as np
 import torch
 
 
+REWARD_LIMIT = 1e30
+"""Largest |reward| a sample may carry into training: within it a group's mean and squared deviations
+(float64) and an unnormalised advantage (float32, up to 2e30) stay finite, where a finite 1e308 overflows
+them and its group's advantages came out 0 or NaN. The rollout drops a group with a reward beyond it
+(or NaN/inf) as a failed reward, counted in reward_overflow; compute_advantages refuses one."""
+
+
 @dataclasses.dataclass
 class Sample:
     prompt_ids: list[int]
@@ -37,6 +44,8 @@ class Sample:
     routed_experts: Optional[torch.Tensor] = None
     """MoE: the experts the engine routed each token to, [P + R - 1, layers * top_k] (row t: token t was
     the input; the last token was never fed). Set when the rollout asked for routes (R3)."""
+    teacher_logprobs: Optional[list[float]] = None
+    """On-policy distillation: log π_teacher of each response token, teacher-forced (distill.teacher)."""
 
     def __post_init__(self) -> None:
         if len(self.behavior_logprobs) != len(self.response_ids):
@@ -47,6 +56,9 @@ class Sample:
         if self.response_mask is not None and len(self.response_mask) != len(self.response_ids):
             raise ValueError(f"sample has {len(self.response_ids)} response tokens but "
                              f"{len(self.response_mask)} response mask entries")
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != len(self.response_ids):
+            raise ValueError(f"sample has {len(self.response_ids)} response tokens but "
+                             f"{len(self.teacher_logprobs)} teacher logprobs")
         if self.token_versions is not None and len(self.token_versions) != len(self.response_ids):
             raise ValueError(f"sample has {len(self.response_ids)} response tokens but "
                              f"{len(self.token_versions)} token versions")
@@ -108,7 +120,8 @@ class Group:
         return len(self.samples)
 
 
-PER_TOKEN = ("tokens", "loss_mask", "behavior_logprobs", "advantages", "proximal_logprobs", "reference_logprobs")
+PER_TOKEN = ("tokens", "loss_mask", "behavior_logprobs", "advantages", "proximal_logprobs", "reference_logprobs",
+             "behavior_lag")
 PER_SAMPLE = ("lengths", "rewards", "group_ids", "staleness")
 PER_TOKEN_ROWS = ("routed_experts",)  # [B, S, k]: a row of values per token
 
@@ -133,6 +146,9 @@ class TrainBatch:
     """[B, S] logprobs under the weights the step starts from (π_prox), when the loss needs them."""
     reference_logprobs: Optional[torch.Tensor] = None
     """[B, S] logprobs under the reference (start) weights, for a KL penalty."""
+    behavior_lag: Optional[torch.Tensor] = None
+    """[B, S] versions between the weights that sampled each response token and this step's (0 off the
+    response); set when π_prox is approximated instead of recomputed (losses/proximal.py)."""
     rewards: Optional[torch.Tensor] = None
     """[B] reward of each sample."""
     group_ids: Optional[torch.Tensor] = None

@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 
 from megatron_flash.counters import Counters
 from megatron_flash.rollout.group_runner import GroupDropped, first_successes
+from megatron_flash.trace import TRACER, tag_requests
 from megatron_flash.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -189,7 +190,8 @@ class EnvGroupRunner:
         env = self._make_env(prompt.seed * 1009 + index)
         try:
             try:
-                obs = await asyncio.wait_for(env.reset(prompt.seed), timeout=cfg.reset_timeout_s)
+                with TRACER.concurrent("env reset", "env", "envs", seed=prompt.seed, group=group_id, episode=index):
+                    obs = await asyncio.wait_for(env.reset(prompt.seed), timeout=cfg.reset_timeout_s)
                 return await self._turns(env, obs, prompt, group_id, index, version, current)
             except asyncio.TimeoutError as e:
                 self.stats.env_timeouts += 1
@@ -238,10 +240,10 @@ class EnvGroupRunner:
             versions += action_versions
             turns += 1
             action_text = self.decode(action_ids)
-            try:
+            with TRACER.concurrent("env step", "env", "envs", seed=prompt.seed, group=group_id, episode=index,
+                                   turn=turn) as info:
                 result = await asyncio.wait_for(env.step(action_text), timeout=cfg.step_timeout_s)
-            except asyncio.TimeoutError:
-                raise
+                info.update(reward=float(result.reward), done=bool(result.done))
             ret += float(result.reward)
             info = result.info or {}
             self.stats.invalid_actions += int(bool(info.get("invalid")))
@@ -280,6 +282,7 @@ class EnvGroupRunner:
             seg_rid = f"{rid}-r{attempt}"
             current[index] = seg_rid
             params = {**self.sampling_params, "max_new_tokens": max_new_tokens - len(out_ids)}
+            tag_requests(episode=rid, version_start=seg_version, resume=attempt)
             res = await self.proxy.generate(input_ids + out_ids, params, rid=seg_rid)
             if self.rollout_stats is not None:
                 self.rollout_stats.requests += 1

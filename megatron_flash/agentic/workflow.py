@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 
 from megatron_flash.agentic.env_manager import AgenticStats
 from megatron_flash.rollout.group_runner import GroupDropped, first_successes
+from megatron_flash.trace import TRACER
 from megatron_flash.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ class WorkflowGroupRunner:
         self.cfg, self.proxy, self.max_seq_len, self.version_fn = agentic_cfg, proxy, max_seq_len, version_fn
         self.workflow = load_workflow(agentic_cfg.workflow)
         self.api_key = api_key or secrets.token_hex(16)
-        self.core = GatewayCore(backend=_Backend(proxy, sampling_params), tokenizer=tokenizer, model_name=model_name,
+        self.core = GatewayCore(backend=_Backend(proxy, sampling_params, self), tokenizer=tokenizer,
+                                model_name=model_name,
                                 tool_parser=agentic_cfg.gateway_tool_parser,
                                 default_max_tokens=agentic_cfg.max_tokens_per_turn, any_model=True)
         self.core.closed_sessions = set()
@@ -150,8 +152,9 @@ class WorkflowGroupRunner:
     # ------------------------------------------------------------------ one episode
     async def _episode(self, session_id: str, task: dict, group_id: int, version: int) -> Sample:
         try:
-            out = await asyncio.wait_for(self.workflow(self.base_url(session_id), self.api_key, dict(task)),
-                                         timeout=self.cfg.workflow_timeout_s)
+            with TRACER.concurrent("episode", "env", "episodes", session=session_id, prompt=task["index"]):
+                out = await asyncio.wait_for(self.workflow(self.base_url(session_id), self.api_key, dict(task)),
+                                             timeout=self.cfg.workflow_timeout_s)
         except asyncio.TimeoutError:
             self.stats.env_timeouts += 1
             self.stats.episodes_failed += 1
@@ -184,9 +187,6 @@ class WorkflowGroupRunner:
         self.stats.successes += int(bool((info or {}).get("success", reward > 0)))
         self.stats.retokenize_mismatches += session.retokenize_mismatches
         self.stats.history_rewrites += session.history_rewrites
-        if self.rollout_stats is not None:
-            self.rollout_stats.requests += len(session.turns)
-            self.rollout_stats.tokens_generated += sum(len(t.output_ids) for t in session.turns)
         known = [v for v in fields["token_versions"] if v is not None]
         sampled = [v for v, m in zip(fields["token_versions"], fields["response_mask"]) if m and v is not None]
         versions = [v if v is not None else version for v in fields.pop("token_versions")]
@@ -197,10 +197,19 @@ class WorkflowGroupRunner:
 
 
 class _Backend:
-    """The proxy as the gateway's backend: the run's sampling defaults under each request's own fields."""
+    """The proxy as the gateway's backend: the run's sampling defaults under each request's own fields.
+    Every reply is counted in the runner's `rollout_stats` (requests, tokens_generated) as it arrives,
+    like a single-turn request, not when its episode ends: an episode may span metrics windows, and
+    tokens_per_s would read 0 in a window where engines generated but no episode finished."""
 
-    def __init__(self, proxy: Any, defaults: dict) -> None:
+    def __init__(self, proxy: Any, defaults: dict, runner: Any) -> None:
         self.proxy, self.defaults = proxy, {k: v for k, v in defaults.items() if v is not None}
+        self.runner = runner
 
     async def generate(self, input_ids: list[int], params: dict, *, rid: str) -> Any:
-        return await self.proxy.generate(input_ids, {**self.defaults, **params}, rid=rid)
+        result = await self.proxy.generate(input_ids, {**self.defaults, **params}, rid=rid)
+        stats = self.runner.rollout_stats
+        if stats is not None:
+            stats.requests += 1
+            stats.tokens_generated += len(result.output_ids)
+        return result

@@ -17,6 +17,7 @@ import time
 from typing import Callable, Optional
 
 from megatron_flash.buffer.staleness import StalenessManager, is_trainable
+from megatron_flash.trace import TRACER
 from megatron_flash.types import Group
 
 
@@ -42,6 +43,8 @@ class SampleBuffer:
         with self._cond:
             self._groups.append(group)
             self._cond.notify_all()
+        TRACER.instant("put", "buffer", "buffer", group=group.group_id, prompt=group.prompt_index,
+                       version_start=group.version_start, samples=len(group))
 
     def landed(self, version_start: int, num_samples: int) -> None:
         """A group admitted at `version_start` left flight, whatever became of it (buffered, filtered,
@@ -121,6 +124,8 @@ class SampleBuffer:
                     now = time.monotonic()
                     self.staleness.note_take(waited_s=now - entered, now=now,
                                              surplus=sum(len(g) for g in self._groups))
+                    TRACER.instant("take", "buffer", "buffer", samples=num_samples, groups=len(picked),
+                                   left=sum(len(g) for g in self._groups))
                     return picked
                 if self._is_closed:
                     raise BufferClosed("the rollout side stopped before a full batch was ready") from self._closed

@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 
 def staleness(version: int, version_start: int) -> int:
@@ -154,6 +154,9 @@ class StalenessManager:
         self._waits = 0  # takes in a row that waited for rollout (since the lookahead last rose)
         self._in_flight: dict[int, int] = {}  # start version → samples admitted, not yet landed
         self._drop_lengths: dict[str, list[int]] = {}
+        self.observer: Optional[Callable[[str, int], None]] = None
+        """Told ("admit" or "drop {reason}", samples) of every admission and drop, outside the lock (the
+        run's trace shows them)."""
 
     @property
     def version(self) -> int:
@@ -197,7 +200,10 @@ class StalenessManager:
             self.counters.submitted += num_samples
             self.counters.outstanding += num_samples
             self._in_flight[self._version] = self._in_flight.get(self._version, 0) + num_samples
-            return self._version
+            version = self._version
+        if self.observer is not None:
+            self.observer("admit", num_samples)
+        return version
 
     def on_landed(self, version_start: int, num_samples: int) -> None:
         """A group admitted at `version_start` left flight (buffered, filtered, failed, ...)."""
@@ -235,6 +241,8 @@ class StalenessManager:
             if lengths:
                 key = "stale" if reason in ("stale", "regenerated") else reason
                 self._drop_lengths.setdefault(key, []).extend(lengths)
+        if self.observer is not None:
+            self.observer(f"drop {reason}", num_samples)
 
     def snapshot(self) -> StalenessCounters:
         """A consistent copy of the counters (the rollout thread updates them in pairs, under the lock)."""

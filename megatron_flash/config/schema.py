@@ -12,6 +12,7 @@ This module imports nothing heavy, so a launcher can validate a config before to
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Dict, List, Optional, Sequence
 
@@ -23,6 +24,8 @@ OPTIMIZERS = ("adam", "sgd")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 ADVANTAGES = ("grpo", "rloo", "reinforce")
+PROX_LOGPROBS = ("recompute", "approximate")
+DISTILL_MODES = ("add", "only")
 KL_ESTIMATORS = ("k1", "k3")
 DYNAMIC_FILTERS = ("none", "nonzero_std")  # built-ins; "module:function" names a user filter
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -337,8 +340,9 @@ class OptimizerConfig(_Section):
 class LossConfig(_Section):
     _section: ClassVar[str] = "loss"
 
-    name: str = "ppo"
-    """Registered loss name (ppo, decoupled_ppo, tis, cispo, topr, or your own)."""
+    name: str = "decoupled_ppo"
+    """Registered loss name: decoupled_ppo, tis, cispo, topr, gspo (corrected for the engines' behaviour
+    policy μ) | ppo, reinforce (no correction: refused on stale samples, see allow_uncorrected) | your own."""
     params: Dict[str, Any] = field(default_factory=dict)
     """Keyword parameters passed verbatim to the loss factory, e.g. {eps_high: 0.28}."""
     aggregation: str = "token_mean"
@@ -356,6 +360,17 @@ class LossConfig(_Section):
     """Weight of the KL(π_θ‖π_ref) penalty per token; 0 disables it and the reference model."""
     kl_estimator: str = "k3"
     """KL estimator: k1 (log-ratio) | k3 (exp(Δ) − Δ − 1, unbiased and non-negative)."""
+    allow_uncorrected: bool = False
+    """Train a loss registered without behaviour correction (ppo, reinforce, gspo with behavior_weight=none:
+    a ratio against π_prox or none, never against the engines' μ) on off-policy samples (async_rl.alpha > 0,
+    or trainer.mode=train_only), which is refused otherwise. It only lifts that refusal, so it is rejected
+    where there is none to lift (a corrected loss, or on-policy training)."""
+    prox_logprobs: str = "recompute"
+    """Where π_prox (the weights a step starts from) comes from, for losses that read it:
+    recompute (a forward pass over the batch before training) | approximate (no extra pass: the
+    training forward's own logprobs on the step's first optimizer step, where they are exact; on later
+    ones a log-linear interpolation between the behaviour logprobs and π_θ by version gap; docs/losses.md).
+    approximate with a loss that does not read π_prox is refused."""
 
     def validate(self) -> None:
         self._require(bool(self.name), "name", "must be a non-empty loss name")
@@ -367,6 +382,7 @@ class LossConfig(_Section):
         self._one_of("advantage", ADVANTAGES)
         self._at_least("kl_coef", 0.0)
         self._one_of("kl_estimator", KL_ESTIMATORS)
+        self._one_of("prox_logprobs", PROX_LOGPROBS)
         for owned in ("kl_coef", "kl_estimator"):
             if owned in self.params:
                 raise ValueError(f"loss.params.{owned} duplicates loss.{owned}; set loss.{owned} instead")
@@ -407,8 +423,9 @@ class RolloutConfig(_Section):
     """Processes scoring rewards off the rollout loop (CPU-heavy rewards such as math); 0 = inline."""
     reward_timeout_s: float = 30.0
     """Deadline of one reward call: past it the sample fails (its group is dropped and counted as
-    reward_failed). With reward_workers > 0 the worker is killed and replaced; inline (0) a call cannot
-    be interrupted and is only failed once it returns, so a reward that may hang needs workers."""
+    reward_failed). With reward_workers > 0 the worker is killed and replaced; inline (0) the call runs
+    on a thread of its own, which is abandoned (Python cannot stop a thread; a hung one keeps its CPU)
+    and replaced, so a reward that may hang belongs in workers."""
     runner: str = "thread"
     """Where the rollout loop (scheduler, engine proxy, rewards, buffer admission) runs on trainer rank 0:
     thread (beside training, sharing its GIL) | process (a spawned process of its own; finished groups
@@ -693,7 +710,10 @@ class DataConfig(_Section):
     _section: ClassVar[str] = "data"
 
     path: str = ""
-    """Prompt file (.jsonl or .parquet); takes precedence over task."""
+    """Prompt file (.jsonl, .json or .parquet), a dataset directory, or a Hub dataset id ("org/name",
+    resolved through the Hugging Face cache like model.hf_path); takes precedence over task."""
+    split: str = "train"
+    """The split read from a dataset directory or Hub dataset; a single file is one split (train)."""
     prompt_key: str = "prompt"
     """Column/field holding the prompt text."""
     answer_key: str = "answer"
@@ -719,6 +739,10 @@ class DataConfig(_Section):
         self._require(bool(self.answer_key), "answer_key", "must be non-empty")
         self._at_least("num_samples", 0)
         self._at_least("max_prompt_len", 0)
+        self._require(bool(self.split), "split", "must be non-empty")
+        if self.split != "train" and os.path.splitext(self.path)[1].lower() in (".jsonl", ".json", ".parquet"):
+            raise ValueError(f"data.split={self.split!r}: data.path={self.path!r} is a single file, which holds one "
+                             "split (train); a split is chosen from a dataset directory or Hub dataset id")
         if self.task_args and self.task not in TASKS_WITH_ARGS:
             # the values themselves are checked where the task is built (rewards/arith.py), naming the key
             raise ValueError(f"data.task_args is set, but data.task={self.task!r} takes no settings "
@@ -785,11 +809,21 @@ class LoggingConfig(_Section):
     """Also write TensorBoard event files under dir."""
     log_interval: int = 1
     """Log metrics every this many optimizer steps."""
+    trace: bool = False
+    """Write the run's timeline to dir/trace.json (Chrome trace-event format: Perfetto, chrome://tracing):
+    trainer rank 0's stages, the weight push's phases, every engine request, rewards, buffer admission
+    and drops, env steps (megatron_flash/trace.py). Off: nothing is recorded."""
+    trace_rotate_steps: int = 100
+    """With trace: each file covers this many steps (trace.json, then trace.1.json, ...), so each stays
+    bounded on a long run."""
 
     def validate(self) -> None:
         self._require(bool(self.dir), "dir", "must be a non-empty directory")
         self._one_of("wandb_mode", WANDB_MODES)
         self._at_least("log_interval", 1)
+        self._at_least("trace_rotate_steps", 1)
+        self._require(self.trace or self.trace_rotate_steps == 100, "trace_rotate_steps",
+                      "takes effect only with logging.trace=true")
 
 
 @dataclass
@@ -815,6 +849,63 @@ class CheckpointConfig(_Section):
             self._require(bool(self.save_dir), "save_dir", "must be set when checkpoint.save_interval > 0")
         if self.resume:
             self._require(bool(self.save_dir), "save_dir", "must be set when checkpoint.resume=true")
+
+
+@dataclass
+class DistillConfig(_Section):
+    """On-policy distillation (OPD): a teacher scores the student's own sampled tokens, and the per-token
+    reverse-KL estimate log μ(y_t) − log π_teacher(y_t) (μ: the student engine's logprob of the token it
+    sampled) enters the advantage: Â_t = A_t − coef · (log μ(y_t) − log π_teacher(y_t)) with mode=add,
+    −coef · (…) alone with mode=only. Off while `teacher` is empty."""
+
+    _section: ClassVar[str] = "distill"
+
+    teacher: str = ""
+    """The teacher checkpoint (HF dir or Hub id); it must share the student's tokenizer. Launched as
+    its own engines (the student's engines.backend, local or sglang) unless `urls` lists running ones."""
+    urls: List[str] = field(default_factory=list)
+    """Base URLs of teacher engines already serving `teacher` (attached); empty = launch them here."""
+    coef: float = 1.0
+    """λ: weight of the per-token reverse-KL term in the advantage."""
+    mode: str = "add"
+    """add (the KL term added to the task advantage) | only (the KL term alone; rewards are still
+    computed and logged)."""
+    baseline: str = "none"
+    """none (Â_t from k_t as it is) | mean (k_t minus the step's mean over trained tokens, a baseline:
+    without one nearly every sampled token of a weak student gets a negative advantage)."""
+    num_engines: int = 1
+    """Teacher engines to launch; with urls, the length of urls."""
+    base_port: int = 31000
+    """Port of launched teacher engine 0; engine i listens on base_port + i."""
+    server_args: Dict[str, Any] = field(default_factory=dict)
+    """Flags for the launched teacher engines, as engines.server_args is for the student's."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.teacher)
+
+    def validate(self) -> None:
+        self._one_of("mode", DISTILL_MODES)
+        self._one_of("baseline", ("none", "mean"))
+        self._positive("coef")
+        self._at_least("num_engines", 1)
+        self._require(1 <= self.base_port and self.base_port + self.num_engines - 1 <= 65535, "base_port",
+                      f"must leave room for distill.num_engines={self.num_engines} ports in 1..65535")
+        if not self.enabled:
+            for name, default in (("urls", []), ("coef", 1.0), ("mode", "add"), ("baseline", "none"), ("num_engines", 1),
+                                  ("base_port", 31000), ("server_args", {})):
+                if getattr(self, name) != default:
+                    raise ValueError(f"distill.{name} is set but distill.teacher is empty: distillation is off "
+                                     "(set distill.teacher to the teacher checkpoint)")
+            return
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"distill.urls entries must start with http:// or https://, got {url!r}")
+        if self.urls:
+            self._require(len(self.urls) == self.num_engines, "num_engines",
+                          f"must equal len(distill.urls)={len(self.urls)} (set both)")
+            self._require(not self.server_args, "server_args",
+                          "must be empty with distill.urls (pass flags where the teacher servers start)")
 
 
 @dataclass
@@ -849,10 +940,25 @@ class RunConfig:
     """Checkpointing and final export."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Periodic evaluation on held-out sets (mean@k, pass@k), pinned to one weight version."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher (off unless distill.teacher is set)."""
 
     def sections(self) -> Dict[str, _Section]:
         """Section name → section object, in declaration order."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def off_policy_reason(self) -> str:
+        """Why the policy trains on samples another policy drew ("" when it trains on-policy, or not at
+        all): a loss without behaviour correction is refused then (see loss.allow_uncorrected)."""
+        mode = RUN_MODES.get(self.trainer.mode)
+        if mode is None or not mode.trains:
+            return ""
+        alpha = self.async_rl.alpha
+        if alpha > 0 and not mode.replays:
+            return f"async_rl.alpha={alpha} trains samples up to {alpha} policy versions old"
+        if mode.replays:
+            return "trainer.mode=train_only trains samples replayed from another run's policy"
+        return ""
 
     def validate(self) -> None:
         """Validate every section, then the rules that span sections; ValueError names the key."""
@@ -883,6 +989,12 @@ class RunConfig:
         if (rollout.overlong_buffer_len or rollout.overlong_filter) and (self.agentic.env or self.agentic.workflow):
             raise ValueError("rollout.overlong_buffer_len / rollout.overlong_filter are not built for agentic "
                              "episodes (agentic.env or workflow is set): an episode's length is not one response's")
+        if self.distill.enabled and (self.agentic.env or self.agentic.workflow):
+            raise ValueError("distill.teacher is not built for agentic episodes (agentic.env or workflow is set): "
+                             "the teacher scores single-turn responses")
+        if self.distill.enabled and self.engines.backend == "attach" and not self.distill.urls:
+            raise ValueError("distill.urls must list the teacher engines when engines.backend=attach (a run that "
+                             "attaches its student engines launches none, the teacher's included)")
         if rollout.runner == "process" and (self.agentic.env or self.agentic.workflow):
             raise ValueError("rollout.runner=process is not built for agentic episodes (agentic.env or workflow "
                              "is set): their environments and gateway live in the trainer process; use thread")
@@ -892,6 +1004,12 @@ class RunConfig:
         if self.checkpoint.save_hf_interval and not RUN_MODES[trainer.mode].trains:
             raise ValueError(f"checkpoint.save_hf_interval={self.checkpoint.save_hf_interval}: "
                              f"trainer.mode={trainer.mode} trains nothing to export")
+        if self.loss.allow_uncorrected and not self.off_policy_reason():
+            raise ValueError(
+                f"loss.allow_uncorrected=true is only used when training samples can be off-policy "
+                f"(async_rl.alpha > 0, or trainer.mode=train_only); got async_rl.alpha={self.async_rl.alpha}, "
+                f"trainer.mode={trainer.mode}"
+            )
         if self.engines.colocate and self.async_rl.alpha != 0:
             raise ValueError(
                 f"async_rl.alpha must be 0 with engines.colocate=true (colocated engines sleep while the "

@@ -65,12 +65,23 @@ def build_rollout(cfg: "RunConfig", *, tokenizer: Any, staleness: "StalenessMana
         runner_factory = agent_episodes
     else:
         dataset = PromptDataset.from_config(cfg.data, tokenizer, seed=cfg.trainer.seed)
+    if cfg.distill.enabled:  # before any engine starts: a teacher that cannot score these ids is refused
+        from megatron_flash.rollout.teacher import check_same_tokenizer
+
+        try:
+            teacher_tokenizer = build_tokenizer(cfg.distill.teacher)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"distill.teacher={cfg.distill.teacher!r}: cannot load the teacher's tokenizer "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        check_same_tokenizer(tokenizer, teacher_tokenizer, student_path=cfg.model.hf_path,
+                             teacher_path=cfg.distill.teacher)
     buffer = SampleBuffer(staleness, stale_policy=cfg.async_rl.stale_policy, on_evict=on_evict)
     runtime = RolloutRuntime(cfg.engines, cfg.rollout, run_dir=run_dir, staleness=staleness,
                              buffer=buffer, dataset=dataset, model_path=cfg.model.hf_path,
                              tokenizer=tokenizer, dump_groups=dump_groups,
                              group_runner_factory=runner_factory,
-                             return_routed_experts=cfg.trainer.moe_routing_replay == "rollout")
+                             return_routed_experts=cfg.trainer.moe_routing_replay == "rollout",
+                             distill=cfg.distill)
     evaluation = None
     if cfg.eval.datasets:  # loaded (and checked) before any engine starts
         from megatron_flash.rollout.evaluation import PeriodicEvaluation, load_eval_sets
@@ -119,13 +130,33 @@ def picklable(obj: Any) -> bool:
         return False
 
 
+def check_loss(cfg: "RunConfig", loss: Any) -> str:
+    """Refuse a loss without behaviour correction on off-policy samples (unless loss.allow_uncorrected,
+    which is refused where it lifts nothing); returns the line a run logs first: which policy each ratio
+    is taken against, which correction applies, and why the samples are on- or off-policy."""
+    from megatron_flash.losses.registry import corrected_losses
+
+    reason = cfg.off_policy_reason()
+    if loss.on_policy and reason and not cfg.loss.allow_uncorrected:
+        raise ValueError(
+            f"loss.name={loss.name} has no behaviour correction ({loss.description}), so it is right on-policy "
+            f"only, but {reason}: use a loss that corrects for the behaviour policy μ (loss.name="
+            f"{'|'.join(corrected_losses())}), or set loss.allow_uncorrected=true to train it uncorrected anyway")
+    if cfg.loss.allow_uncorrected and not loss.on_policy:
+        raise ValueError(f"loss.allow_uncorrected=true is only used with a loss that has no behaviour correction; "
+                         f"loss.name={loss.name} has one ({loss.description})")
+    data = f"off-policy data: {reason}" if reason else f"on-policy data (async_rl.alpha={cfg.async_rl.alpha})"
+    opt_in = "; loss.allow_uncorrected=true: stale samples train uncorrected" if loss.on_policy and reason else ""
+    return f"loss {loss.name}: {loss.description}; {data}{opt_in}"
+
+
 def loss_fns(loss_cfg: Any, loss: Any, max_new_tokens: int) -> tuple[Any, Any]:
     """(Loss, the trainer's loss_fn): the launcher's already-checked loss when it passed one."""
     from megatron_flash.trainer.loss_adapter import aggregation_norm, build_loss, make_loss_fn
 
     loss = loss if loss is not None else build_loss(loss_cfg)
-    return loss, make_loss_fn(loss, aggregation=loss_cfg.aggregation,
-                              norm=aggregation_norm(loss_cfg, max_new_tokens))
+    return loss, make_loss_fn(loss, aggregation=loss_cfg.aggregation, norm=aggregation_norm(loss_cfg, max_new_tokens),
+                              approximate_prox=loss_cfg.prox_logprobs == "approximate")
 
 
 def build_policy(cfg: Any) -> Any:

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_flash.trace import TRACER, TRAINER
+
 if TYPE_CHECKING:
     from megatron_flash.config.schema import CheckpointConfig
     from megatron_flash.trainer.policy import MegatronPolicy
@@ -77,13 +79,26 @@ class Checkpoints:
             from megatron_flash.trainer import checkpoint as ckpt
 
             t0 = time.monotonic()
-            rollout = rollout_state() if self.rank == 0 else None
-            path = ckpt.save(self.policy, c.save_dir, step=step, version=version, rollout_state=rollout,
-                             group=self.ctrl_group)
+            with TRACER.span("checkpoint", "checkpoint", TRAINER, step=step, version=version):
+                rollout = rollout_state() if self.rank == 0 else None
+                path = ckpt.save(self.policy, c.save_dir, step=step, version=version, rollout_state=rollout,
+                                 group=self.ctrl_group)
             if self.rank == 0:
                 logger.info("checkpoint %s (%.2f s)%s", path, time.monotonic() - t0,
                             "; stopping on SIGTERM" if stop else "")
         return stop
+
+    def last_good(self) -> str:
+        """The newest complete checkpoint (Megatron, HF export) this run can go back to, for an error
+        that leaves the current weights unusable; else the start checkpoint."""
+        from megatron_flash.trainer import checkpoint as ckpt
+
+        found = []
+        if self.cfg.save_dir and ckpt.latest_checkpoint(self.cfg.save_dir):
+            found.append(f"{ckpt.latest_checkpoint(self.cfg.save_dir)} (checkpoint.resume=true resumes it)")
+        if os.path.isdir(os.path.join(self.hf_dir(), "latest")):
+            found.append(f"HF export {os.path.realpath(os.path.join(self.hf_dir(), 'latest'))}")
+        return "; ".join(found) or "none saved by this run (it started from model.hf_path)"
 
     def hf_dir(self) -> str:
         return os.path.join(self.cfg.save_dir or self.run_dir, "hf")
@@ -95,7 +110,8 @@ class Checkpoints:
         t0 = time.monotonic()
         name = f"step_{step + 1:06d}"
         out = os.path.join(self.hf_dir(), name)
-        self.policy.export_hf(out)
+        with TRACER.span("hf export", "checkpoint", TRAINER, step=step):
+            self.policy.export_hf(out)
         if self.rank == 0:
             point_latest(self.hf_dir(), name)
             logger.info("HF checkpoint %s (%.2f s)", out, time.monotonic() - t0)
@@ -110,7 +126,8 @@ class Checkpoints:
         if error is None:
             if self.cfg.save_hf_at_end:
                 out = os.path.join(self.cfg.save_dir or self.run_dir, "final_hf")
-                self.policy.export_hf(out)
+                with TRACER.span("final hf export", "checkpoint", TRAINER):
+                    self.policy.export_hf(out)
                 if self.rank == 0:
                     logger.info("final HF checkpoint: %s", out)
             return

@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from megatron_flash.trace import TRACER, TRAINER
+
 if TYPE_CHECKING:
     from megatron_flash.rollout.runtime import RolloutRuntime
     from megatron_flash.weight_sync.bridge import WeightBridge
@@ -32,7 +34,8 @@ class EngineHandoff:
         if self.bridge is None or self.bridge.memory is None:
             return
         t0 = time.monotonic()
-        errors = self.bridge.release_memory()
+        with TRACER.span("release engines", "sync", TRAINER):
+            errors = self.bridge.release_memory()
         if errors and self.runtime is not None:
             self.runtime.note_sync(version, errors)
         self._release_metrics = {"time_release": time.monotonic() - t0}

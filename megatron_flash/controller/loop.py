@@ -46,6 +46,7 @@ from megatron_flash.controller import assembly
 from megatron_flash.controller.checkpoints import Checkpoints, install_sigterm_flag
 from megatron_flash.controller.engine_handoff import EngineHandoff
 from megatron_flash.controller.step_metrics import StepRecorder, where_samples_went
+from megatron_flash.trace import TRACER, TRAINER
 from megatron_flash.types import Group, TrainBatch, collate
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ class Controller:
                 sync_metrics = self.push_weights()                        # pause → send → resume; V += 1
                 self._trained = False
                 self.maybe_evaluate(step + 1)                             # held-out sets, at version V
-                summary = self.log(step, groups, batch, train_metrics, sync_metrics,
+                summary = self.log(step, groups, batch, train_metrics, sync_metrics, t_start=t0,
                                    t_wait=t_wait, t_train=t_train, t_step=time.monotonic() - t0)
                 if self.checkpoints.maybe_save(step, version=self.version,  # every N steps; SIGTERM: save, stop
                                                rollout_state=self._rollout_state):
@@ -135,6 +136,9 @@ class Controller:
         os.makedirs(self.run_dir, exist_ok=True)
         torch.manual_seed(cfg.trainer.seed)
         self.loss, self.loss_fn = assembly.loss_fns(cfg.loss, self._loss, cfg.rollout.max_new_tokens)
+        loss_line = assembly.check_loss(cfg, self.loss)
+        if os.environ.get("RANK", "0") == "0":  # the first line of the run: what each ratio is taken against
+            logger.info("%s", loss_line)
         self.staleness = StalenessManager(alpha=cfg.async_rl.alpha, batch_size=self.batch_size,
                                           extra=cfg.rollout.extra_prompts * cfg.rollout.n_samples_per_prompt,
                                           admission=cfg.async_rl.admission)
@@ -283,14 +287,23 @@ class Controller:
         if not self.mode.trains:
             return batch
         batch, self._overlong = recipes.overlong_filter(samples, batch, enabled=self.cfg.rollout.overlong_filter)
+        d = self.cfg.distill
+        if d.enabled:  # the teacher's per-token reverse KL in the advantage (after the filter: masked tokens stay 0)
+            teacher = recipes.teacher_logprobs(samples, batch.loss_mask)
+            batch = batch.replace(advantages=recipes.distill_advantages(batch, teacher, coef=d.coef, mode=d.mode,
+                                                                        baseline=d.baseline))
         batch = batch.replace(staleness=torch.tensor([staleness(self.version, s.version_start) for s in samples]))
         if self.version_check is not None:  # before training: the weights are still version V's
             self._check_metrics = self.version_check.step(self.version, samples, batch)
-        if self.loss.needs_proximal:  # π_prox = the weights this step starts from (version V)
-            batch = batch.replace(proximal_logprobs=self.policy.compute_logprobs(batch)[0] * batch.loss_mask)
+        if self.loss.needs_proximal and self.loss_fn.approximate_prox:  # π_prox from the training forward
+            batch = batch.replace(behavior_lag=recipes.behavior_lags(samples, self.version, batch.loss_mask))
+        elif self.loss.needs_proximal:  # π_prox = the weights this step starts from (version V)
+            with TRACER.span("π_prox forward", "forward", TRAINER):
+                batch = batch.replace(proximal_logprobs=self.policy.compute_logprobs(batch)[0] * batch.loss_mask)
         if getattr(self.loss, "needs_reference", False):  # KL(π_θ‖π_ref) against the start checkpoint
-            batch = batch.replace(
-                reference_logprobs=self.policy.compute_logprobs(batch, reference=True)[0] * batch.loss_mask)
+            with TRACER.span("reference forward", "forward", TRAINER):
+                batch = batch.replace(
+                    reference_logprobs=self.policy.compute_logprobs(batch, reference=True)[0] * batch.loss_mask)
         return batch
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
@@ -302,6 +315,7 @@ class Controller:
         rng = random.Random(t.seed * 1_000_003 + self.version)
         sums: dict[str, Optional[float]] = {}
         count = 0
+        steps = t.num_epochs * (self.batch_size // size)  # optimizer steps this batch takes
         for _epoch in range(t.num_epochs):
             # Mini-batches hold whole groups; their order is reshuffled each epoch (seeded).
             groups = list(range(self.batch_size // n))
@@ -310,8 +324,11 @@ class Controller:
             order = torch.tensor([g * n + i for g in groups for i in range(n)])
             for lo in range(0, self.batch_size, size):
                 idx = order[lo:lo + size]
-                metrics = self.policy.train_step(fields.rows(idx), self.loss_fn)
+                self.loss_fn.theta_advance = count / steps  # how far π_θ has moved from π_prox
+                with TRACER.span("optimizer step", "train", TRAINER, epoch=_epoch, mini_batch=lo // size):
+                    metrics = self.policy.train_step(fields.rows(idx), self.loss_fn)
                 self._note_nonfinite(metrics, fields.rows(idx))
+                self._stop_on_blown_up_weights(metrics)
                 for k, v in metrics.items():  # a null (e.g. mfu without a known peak) stays null
                     sums[k] = None if v is None or sums.get(k, 0.0) is None else sums.get(k, 0.0) + v
                 count += 1
@@ -340,10 +357,22 @@ class Controller:
                            f"(trainer.max_nonfinite_steps={self.cfg.trainer.max_nonfinite_steps}) at policy version "
                            f"{self.version}; the last batch's samples are in {path}")
 
+    def _stop_on_blown_up_weights(self, metrics: dict[str, float]) -> None:
+        """An update with finite gradients that left non-finite (or overflowing) weights: every rank reads
+        the same all-reduced flag (trainer/weight_health.py), so all stop here, before the push."""
+        if not metrics.get("weights_nonfinite"):
+            return
+        self._trained = True  # the weights are the next version's: what is exported at the stop says so
+        raise RuntimeError(
+            f"the optimizer step at policy version {self.version} left non-finite weights (NaN/inf, or a tensor "
+            f"norm above ~1e19) though its gradients were finite; stopped before pushing them: the engines "
+            f"still serve version {self.version}. Last good checkpoint: {self.checkpoints.last_good()}")
+
     def push_weights(self) -> dict[str, float]:
         """Send the new weights to every engine; V ← V + 1 (frees rollout capacity)."""
         t0 = time.monotonic()
-        out = self.handoff.push(self.version + 1)
+        with TRACER.span("weight push", "sync", TRAINER, version=self.version + 1):
+            out = self.handoff.push(self.version + 1)
         self.version += 1
         if self.rank == 0:
             self.staleness.set_version(self.version)
@@ -352,14 +381,21 @@ class Controller:
         return out
 
     def log(self, step: int, groups: list[Group], batch: TrainBatch, train_metrics: dict[str, float],
-            sync_metrics: dict[str, float], *, t_wait: float, t_train: float, t_step: float) -> dict[str, Any]:
+            sync_metrics: dict[str, float], *, t_start: float, t_wait: float, t_train: float,
+            t_step: float) -> dict[str, Any]:
         if self.rank != 0:
             return {}
         checks, self._check_metrics = self._check_metrics, {}
+        start, wait, train = (round(t * 1e9) for t in (t_start, t_wait, t_train))  # time.monotonic's clock, in ns
+        TRACER.complete("batch wait", "wait", TRAINER, start_ns=start, end_ns=start + wait)
+        TRACER.complete("train", "train", TRAINER, start_ns=start + wait, end_ns=start + wait + train)
+        TRACER.complete(f"step {step}", "step", TRAINER, start_ns=start, end_ns=start + round(t_step * 1e9),
+                        version=self.version)
         return self.recorder.record(step, version=self.version, groups=groups, batch=batch, staleness=self.staleness,
                                     runtime=self.runtime, overlong=self._overlong, checks=checks,
                                     sync_metrics=sync_metrics, train_metrics=train_metrics,
-                                    t_wait=t_wait, t_train=t_train, t_step=t_step)
+                                    t_wait=t_wait, t_train=t_train, t_step=t_step,
+                                    train_window_ns=(start + wait, start + wait + train))
 
     # ================================================================== plumbing
     def _broadcast(self, obj: Any) -> Any:

@@ -10,12 +10,14 @@ samples_skipped, samples_cancelled).
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_flash import recipes
 from megatron_flash.controller.checkpoints import LEDGER
+from megatron_flash.trace import TRACER, busy_fraction
 from megatron_flash.types import Group, TrainBatch
 
 if TYPE_CHECKING:
@@ -38,9 +40,11 @@ class StepRecorder:
                staleness: "StalenessManager", runtime: Optional["RolloutRuntime"], overlong: dict[str, int],
                checks: dict[str, float],
                sync_metrics: dict[str, float], train_metrics: dict[str, float],
-               t_wait: float, t_train: float, t_step: float) -> dict[str, Any]:
+               t_wait: float, t_train: float, t_step: float,
+               train_window_ns: Optional[tuple[int, int]] = None) -> dict[str, Any]:
         """`version` is the policy version after this step's push; `overlong` and `checks` are the
-        loop's own per-step counts (the overlong filter, the labelled-version check)."""
+        loop's own per-step counts (the overlong filter, the labelled-version check);
+        `train_window_ns` the monotonic ns from the batch's arrival to the last optimizer step's end."""
         samples = [s for g in groups for s in g.samples]
         lags = [version - 1 - s.version_start for s in samples]
         c = staleness.snapshot()
@@ -64,10 +68,13 @@ class StepRecorder:
         if "train_infer_logprob_diff" in sync_metrics:  # the probe's, when it ran, is the one logged
             mismatch.pop("train_infer_logprob_diff", None)
         m.update(mismatch)
+        m.update({f"staleness/samples_{lag}": count for lag, count in sorted(collections.Counter(lags).items())})
         if runtime is not None:
             m.update(self._rollout_metrics(runtime, t_step))
+            m.update(self._pipeline_metrics(runtime, train_window_ns))
         m.update(recipes.length_bias(samples, staleness.take_drop_lengths()))
         m.update(recipes.token_staleness(samples, version - 1))
+        m.update(recipes.distill_metrics(samples))
         m["rollout_lookahead"] = c.lookahead
         m.update(checks)
         m.update(sync_metrics)
@@ -89,6 +96,7 @@ class StepRecorder:
         m["tokens_per_s"] = stats.tokens_generated / max(t_step, 1e-9)
         m["rollout_resumes"] = stats.resumes
         m["engine_errors"] = stats.engine_errors
+        m["reward_overflow"] = stats.reward_overflow  # samples beyond ±REWARD_LIMIT: within reward_failed
         m["skipped_prompts"] = stats.skipped_prompts  # refused (4xx) or failing past max_prompt_retries
         m["skipped_after_retries"] = stats.skipped_after_retries
         m["skipped_prompts_at_load"] = self.skipped_at_load  # could never fit the engines
@@ -97,6 +105,18 @@ class StepRecorder:
             m["overlong_penalized"] = stats.overlong_penalized
             m["overlong_penalty_mean"] = stats.overlong_penalty_sum / max(stats.overlong_penalized, 1)
         return m
+
+
+    @staticmethod
+    def _pipeline_metrics(runtime: "RolloutRuntime", window: Optional[tuple[int, int]]) -> dict[str, float]:
+        """pipeline/overlap: the fraction of the trainer's busy time (batch in hand → last optimizer step
+        done) during which at least one engine request was in flight — the asynchronous gain (≈ 0 at
+        α = 0, where generation and training alternate). From the same request intervals as the trace."""
+        done, open_starts, now, events = runtime.take_activity()
+        TRACER.add(events)  # a rollout process's trace events (its own clock is this one)
+        if window is None:
+            return {}
+        return {"pipeline/overlap": busy_fraction(done, open_starts, lo=window[0], hi=window[1], now=now)}
 
 
 def where_samples_went(staleness: "StalenessManager", rollout_cfg: "RolloutConfig") -> str:

@@ -190,3 +190,26 @@ def _parse_spans(raw: Any, bad) -> List[WeightVersionSpan]:
                       f"{{version, start, end}}, got {short_repr(span)}")
         spans.append(WeightVersionSpan(str(span["version"]), int(span["start"]), int(span["end"])))
     return spans
+
+
+def parse_input_logprobs(item: Any, *, url: str, ids: List[int], start: int, what: str = "/generate") -> List[float]:
+    """The teacher-forced logprob of each token `ids[start + 1:]` from one item of a scoring reply
+    (`/generate` with `return_logprob`, `logprob_start_len=start`): `meta_info.input_token_logprobs`
+    holds [[logprob|null, token_id, text|null], ...] for positions start … end, the first always null
+    (no logits before it), so it is checked and dropped. Raises MalformedReply naming what is wrong."""
+    entries = (item.get("meta_info") or {}).get("input_token_logprobs") if isinstance(item, dict) else None
+    expect = ids[start:]
+    if not isinstance(entries, list) or len(entries) != len(expect):
+        raise MalformedReply(url, what, "meta_info.input_token_logprobs",
+                             f"meta_info.input_token_logprobs has {describe_len(entries)} entries, expected {len(expect)} "
+                             f"(logprob_start_len={start} of {len(ids)} tokens)")
+    if any(not isinstance(e, (list, tuple)) or len(e) < 2 for e in entries):
+        raise MalformedReply(url, what, "meta_info.input_token_logprobs", "meta_info.input_token_logprobs entries must be [logprob, token_id, ...]")
+    got = [e[1] for e in entries]
+    if got != expect:
+        raise MalformedReply(url, what, "meta_info.input_token_logprobs",
+                             f"meta_info.input_token_logprobs scores ids {short_repr(got)}, sent {short_repr(expect)}")
+    values = [e[0] for e in entries[1:]]
+    if not all(is_number(v) for v in values):
+        raise MalformedReply(url, what, "meta_info.input_token_logprobs", f"meta_info.input_token_logprobs holds non-numeric logprobs {short_repr(values)}")
+    return [float(v) for v in values]

@@ -7,6 +7,10 @@ integers; responses to the same prompt share one) and return one advantage per r
     rloo:      A_i = r_i − mean_{j ∈ g, j ≠ i}(r_j)      (leave-one-out; a group of one gets 0)
     reinforce: A_i = r_i − mean_batch(r)                 (batch mean baseline; groups ignored)
 
+Rewards must be finite and within ±types.REWARD_LIMIT (1e30; ValueError otherwise): the statistics
+are taken in float64, where such rewards cannot overflow, and the advantages returned in the rewards'
+dtype. A finite 1e308 used to overflow the group's sums into 0 (or NaN) advantages without a word.
+
 With ``std_normalize`` every estimator divides by (std + eps), where std is the *population*
 standard deviation (unbiased=False) of the rewards the baseline was taken over: the group for
 grpo/rloo, the whole batch for reinforce. Population std is 0 (not NaN) for a group of one, and a
@@ -20,6 +24,8 @@ rloo → [1 − 1/3, 0 − 2/3, ...] = [2/3, −2/3, −2/3, 2/3].
 from __future__ import annotations
 
 import torch
+
+from megatron_flash.types import REWARD_LIMIT
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce")
 
@@ -66,7 +72,15 @@ def compute_advantages(
         raise ValueError(f"eps must be a number >= 0, got {eps!r}")
     if rewards.numel() == 0:
         return rewards.clone()
-    rewards = rewards.detach()
+    out_dtype = rewards.dtype
+    limit = torch.tensor(REWARD_LIMIT, dtype=out_dtype).item()  # a reward of 1e30 in float32 is 1.00000002e30
+    rewards = rewards.detach().to(torch.float64)
+    bad = ~(rewards.abs() <= limit)  # NaN too
+    if bool(bad.any()):
+        index = int(bad.nonzero()[0, 0])
+        raise ValueError(f"rewards must be finite and within ±{REWARD_LIMIT:g} (types.REWARD_LIMIT): "
+                         f"{int(bad.sum())} of {rewards.numel()} are not, e.g. reward[{index}] = "
+                         f"{rewards[index].item()!r} (group {int(group_ids[index])})")
     if name == "reinforce":
         centered = rewards - rewards.mean()
         std = rewards.std(unbiased=False).expand_as(rewards)
@@ -77,4 +91,5 @@ def compute_advantages(
         else:
             others = (sizes - 1).clamp(min=1)
             centered = torch.where(sizes > 1, rewards - (sums - rewards) / others, torch.zeros_like(rewards))
-    return _normalize(centered, std, eps) if std_normalize else centered
+    advantages = _normalize(centered, std, eps) if std_normalize else centered
+    return advantages.to(out_dtype)

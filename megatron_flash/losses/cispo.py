@@ -13,7 +13,10 @@ from megatron_flash.losses.common import LossFn, LossInputs, LossTerms, check_nu
 from megatron_flash.losses.registry import register_loss
 
 
-@register_loss("cispo")
+@register_loss("cispo", describe=(
+    "ratio ρ = π_θ/μ (μ: the engine's behaviour policy that sampled the tokens), weight "
+    "sg(clamp(ρ, 1−{eps_low}, 1+{eps_high})) on −A·log π_θ; behaviour correction: yes (a clipped importance "
+    "weight; every token keeps its gradient)"))
 def cispo(*, eps_low: float = 1.0, eps_high: float = 0.2) -> LossFn:
     """CISPO; the default ``eps_low=1`` leaves the weight unbounded below (clamp at 0).
 

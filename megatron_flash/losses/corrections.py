@@ -64,6 +64,17 @@ class CommonParams:
         )
         return cls(mode, low, high, kl_coef, estimator)
 
+    def describe(self) -> str:
+        """The corrections in effect, as a suffix of a loss's one-line description ("" for none)."""
+        out = ""
+        if self.mismatch_mask != "off":
+            unit = "tokens" if self.mismatch_mask == "token" else "sequences (geometric mean)"
+            out += (f"; mismatch masking: {unit} whose π_prox/μ is outside "
+                    f"[{self.mismatch_low:g}, {self.mismatch_high:g}] dropped")
+        if self.kl_coef > 0:
+            out += f"; KL(π_θ‖π_ref) penalty × {self.kl_coef:g} ({self.kl_estimator})"
+        return out
+
 
 COMMON_PARAMS: frozenset[str] = frozenset(CommonParams.__dataclass_fields__)
 

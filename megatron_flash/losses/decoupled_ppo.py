@@ -11,6 +11,8 @@ Gradient w.r.t. log π_θ per token: −w·r·A where the unclipped branch is ac
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from megatron_flash.losses.common import (
     LossFn,
     LossInputs,
@@ -24,7 +26,14 @@ from megatron_flash.losses.ppo import clipped_surrogate
 from megatron_flash.losses.registry import register_loss
 
 
-@register_loss("decoupled_ppo", needs_proximal=True)
+def _describe(params: Mapping[str, object]) -> str:
+    cap = "" if params["weight_cap"] is None else f", tokens with weight > {params['weight_cap']} dropped"
+    return (f"ratio π_θ/π_prox (π_prox: the trainer's weights at the start of the step) clipped to "
+            f"[1−{params['eps_low']}, 1+{params['eps_high']}]; behaviour correction: yes, detached weight "
+            f"π_prox/μ (μ: the engine's behaviour policy that sampled the tokens){cap}")
+
+
+@register_loss("decoupled_ppo", needs_proximal=True, describe=_describe)
 def decoupled_ppo(
     *, eps_low: float = 0.2, eps_high: float = 0.2, weight_cap: float | None = None
 ) -> LossFn:

@@ -9,9 +9,21 @@ gives the GSPO objective (the mean over sequences); gradients flow through s_i o
 sequence's advantages (constant along a response for group-relative estimators). m is the mask the
 loss trains (after mismatch masking). The paper's clip range is small (3e-4 / 4e-4): a sequence ratio
 is a geometric mean, much closer to 1 than a token's.
+
+Under asynchrony (samples sampled by μ, up to α versions behind π_prox) the ratio above corrects for
+nothing: `behavior_weight="sequence"` (the default) multiplies each sequence's loss by a detached,
+truncated sequence-level importance weight, the geometric mean of π_prox/μ over its tokens like s_i:
+
+    log w_i = Σ_t m_t (log π_prox,t − log μ_t) / Σ_t m_t,     w_i = min(exp(log w_i), weight_cap)
+    loss_t  = −w_i · min(s_i·A_i, clip(s_i, 1−ε_low, 1+ε_high)·A_i)
+
+On-policy (μ = π_prox up to numerics) w_i = 1 and the loss is the paper's; `behavior_weight="none"`
+is the paper's formula at any α (a run with stale samples refuses it unless loss.allow_uncorrected).
 """
 
 from __future__ import annotations
+
+from typing import Mapping
 
 import torch
 
@@ -26,15 +38,32 @@ def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask:
     return (total / weights.sum(dim=-1).clamp(min=1)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
-@register_loss("gspo", needs_proximal=True)
-def gspo(*, eps_low: float = 3e-4, eps_high: float = 4e-4) -> LossFn:
+def _describe(params: Mapping[str, object]) -> str:
+    ratio = (f"sequence ratio (π_θ/π_prox)^(1/|y|) (the geometric mean over the response; π_prox: the trainer's "
+             f"weights at the start of the step) clipped to [1−{params['eps_low']}, 1+{params['eps_high']}]")
+    if params["behavior_weight"] == "none":
+        return ratio + "; behaviour correction: none"
+    return (ratio + "; behaviour correction: yes, detached sequence weight (π_prox/μ)^(1/|y|) truncated at "
+            f"{params['weight_cap']} (μ: the engine's behaviour policy that sampled the tokens)")
+
+
+@register_loss("gspo", needs_proximal=True, on_policy=lambda params: params["behavior_weight"] == "none",
+               describe=_describe)
+def gspo(*, eps_low: float = 3e-4, eps_high: float = 4e-4, behavior_weight: str = "sequence",
+         weight_cap: float = 1.0) -> LossFn:
     """GSPO with the paper's clip range by default; use with `loss.aggregation=seq_mean_token_mean`.
+    ``behavior_weight``: "sequence" (the truncated sequence-level π_prox/μ weight above, capped at
+    ``weight_cap``) or "none" (the paper's formula, on-policy data only).
 
     Metrics: clip_frac_seq_low / clip_frac_seq_high (fraction of sequences with a trained token whose
-    low / high clip binds), seq_ratio_mean / seq_ratio_max (s_i over those sequences).
+    low / high clip binds), seq_ratio_mean / seq_ratio_max (s_i over those sequences), and with the
+    behaviour weight seq_is_weight_mean / seq_is_weight_max (w_i before the cap) and seq_is_capped_frac.
     """
     eps_low = check_number("gspo", "eps_low", eps_low, low=0.0, high=1.0, high_open=True)
     eps_high = check_number("gspo", "eps_high", eps_high, low=0.0)
+    if behavior_weight not in ("sequence", "none"):
+        raise ValueError(f"loss gspo: behavior_weight must be 'sequence' or 'none', got {behavior_weight!r}")
+    weight_cap = check_number("gspo", "weight_cap", weight_cap, low=0.0, low_open=True)
 
     def loss_fn(batch: LossInputs) -> LossTerms:
         mask = batch.loss_mask
@@ -44,6 +73,9 @@ def gspo(*, eps_low: float = 3e-4, eps_high: float = 4e-4) -> LossFn:
         advantage = (batch.advantages * weights).sum(dim=-1) / count.clamp(min=1)
         clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
         per_seq = -torch.minimum(ratio * advantage, clipped * advantage)
+        if behavior_weight == "sequence":
+            raw = torch.exp(sequence_log_ratio(batch.proximal_logprobs, batch.behavior_logprobs, mask)).detach()
+            per_seq = per_seq * raw.clamp(max=weight_cap)
         per_token = per_seq[:, None].expand_as(batch.logprobs) * weights
         r = ratio.detach()
         trained = count > 0
@@ -57,6 +89,10 @@ def gspo(*, eps_low: float = 3e-4, eps_high: float = 4e-4) -> LossFn:
             "seq_ratio_mean": torch.where(trained, r, zero).sum() / n,
             "seq_ratio_max": torch.where(trained, r, zero).max() if r.numel() else zero,
         }
+        if behavior_weight == "sequence":
+            metrics["seq_is_weight_mean"] = torch.where(trained, raw, zero).sum() / n
+            metrics["seq_is_weight_max"] = torch.where(trained, raw, zero).max() if raw.numel() else zero
+            metrics["seq_is_capped_frac"] = ((raw > weight_cap) & trained).sum().to(per_token.dtype) / n
         return LossTerms(per_token, metrics)
 
     return loss_fn

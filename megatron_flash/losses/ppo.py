@@ -10,6 +10,8 @@ active, 0 where clipping (or the dual clip) binds or |log r| exceeds the ratio c
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 
 from megatron_flash.losses.common import (
@@ -42,7 +44,14 @@ def clipped_surrogate(
     return loss, r, binds_low, binds_high
 
 
-@register_loss("ppo", needs_proximal=True)
+def _describe(params: Mapping[str, object]) -> str:
+    dual = "" if params["dual_clip"] is None else f", dual clip {params['dual_clip']}"
+    return (f"ratio π_θ/π_prox (π_prox: the trainer's weights at the start of the step) clipped to "
+            f"[1−{params['eps_low']}, 1+{params['eps_high']}]{dual}; behaviour correction: none (tokens the "
+            f"engine's μ sampled train as if π_prox had sampled them)")
+
+
+@register_loss("ppo", needs_proximal=True, on_policy=True, describe=_describe)
 def ppo(*, eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None) -> LossFn:
     """Clipped PPO; ``dual_clip`` (> 1) bounds the loss of negative-advantage tokens by −c·A.
 

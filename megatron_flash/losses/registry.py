@@ -13,12 +13,19 @@ parameters of the loss and which returns a formula ``fn(batch: LossInputs) -> Lo
 ``corrections.COMMON_PARAMS``) and the factory's own, calls the factory, and wraps the formula in a
 ``Loss``: the callable the trainer uses. ``Loss`` resolves a missing proximal policy, applies the
 mismatch mask and the KL term, zeroes every token it does not train, and adds the shared metrics.
+
+Each registration also declares what the formula assumes about the data: ``on_policy=True`` for a
+formula whose ratio (or gradient) has no correction for the behaviour policy μ that sampled the
+tokens, so it is right only when μ is the policy being trained (a run refuses it on stale samples
+unless told otherwise), and ``describe``, one line saying which policy each ratio is taken against
+and which correction applies (a run logs it at start). Both may be functions of the resolved
+parameters, for a loss whose correction is an option.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Callable, TypeVar
+from typing import Callable, Mapping, TypeVar, Union
 
 import torch
 
@@ -33,27 +40,57 @@ from megatron_flash.losses.common import (
 from megatron_flash.losses.corrections import COMMON_PARAMS, CommonParams, kl_penalty, mismatch_keep
 
 Factory = TypeVar("Factory", bound=Callable[..., LossFn])
+OnPolicy = Union[bool, Callable[[Mapping[str, object]], bool]]
+Describe = Union[str, Callable[[Mapping[str, object]], str]]
+"""A ``str.format`` template over the loss's parameters, or a function of them."""
 
 
 class _Entry:
     """A registered factory with its parameter names (required ones have no default)."""
 
-    def __init__(self, *, factory: Callable[..., LossFn], needs_proximal: bool) -> None:
+    def __init__(self, *, factory: Callable[..., LossFn], needs_proximal: bool, on_policy: OnPolicy,
+                 describe: Describe) -> None:
         self.factory = factory
         self.needs_proximal = needs_proximal
+        self.on_policy = on_policy
+        self.describe = describe
         self.params: dict[str, inspect.Parameter] = dict(inspect.signature(factory).parameters)
+
+    def is_on_policy(self, params: Mapping[str, object]) -> bool:
+        return bool(self.on_policy(params) if callable(self.on_policy) else self.on_policy)
+
+    def description(self, params: Mapping[str, object]) -> str:
+        if callable(self.describe):
+            return str(self.describe(params))
+        if self.describe:
+            try:
+                return self.describe.format(**params)
+            except (KeyError, IndexError) as e:  # a user's template: a ValueError the launcher reports
+                raise ValueError(f"describe template {self.describe!r} names {e}, not a parameter of the loss") from None
+        if self.is_on_policy(params):
+            return "no description registered; behaviour correction: none (registered on_policy=True)"
+        return "no description registered; treated as correcting for the behaviour policy (on_policy=False)"
 
 
 _REGISTRY: dict[str, _Entry] = {}
 
 
-def register_loss(name: str, *, needs_proximal: bool = False) -> Callable[[Factory], Factory]:
+def register_loss(
+    name: str, *, needs_proximal: bool = False, on_policy: OnPolicy = False, describe: Describe = ""
+) -> Callable[[Factory], Factory]:
     """Decorator registering a loss factory under ``name``.
 
     Args:
         name: the name configs use; must be new.
         needs_proximal: whether the formula reads ``proximal_logprobs`` (the trainer then runs the
             extra forward pass at the start of each step).
+        on_policy: True when nothing in the formula corrects for the behaviour policy μ (its ratio
+            is against π_prox, or it has none): right only when the samples are on-policy, so a run
+            with stale samples (async_rl.alpha > 0) refuses it unless ``loss.allow_uncorrected``.
+            A function of the resolved parameters when an option adds the correction.
+        describe: one line, logged at the start of a run: which policy each ratio is taken against
+            and which behaviour correction applies; a ``str.format`` template over the resolved
+            parameters (e.g. ``"... clamp(ρ, {lower}, {upper}) ..."``) or a function of them.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"loss name must be a non-empty string, got {name!r}")
@@ -61,7 +98,7 @@ def register_loss(name: str, *, needs_proximal: bool = False) -> Callable[[Facto
     def decorate(factory: Factory) -> Factory:
         if name in _REGISTRY:
             raise ValueError(f"loss {name!r} is already registered")
-        entry = _Entry(factory=factory, needs_proximal=needs_proximal)
+        entry = _Entry(factory=factory, needs_proximal=needs_proximal, on_policy=on_policy, describe=describe)
         for param in entry.params.values():
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD, param.POSITIONAL_ONLY):
                 raise ValueError(
@@ -81,6 +118,19 @@ def register_loss(name: str, *, needs_proximal: bool = False) -> Callable[[Facto
 def list_losses() -> list[str]:
     """Registered loss names, sorted."""
     return sorted(_REGISTRY)
+
+
+def corrected_losses() -> list[str]:
+    """Registered losses that correct for the behaviour policy with their default parameters, sorted."""
+    out = []
+    for name, entry in sorted(_REGISTRY.items()):
+        defaults = {key: p.default for key, p in entry.params.items() if p.default is not p.empty}
+        try:
+            if not entry.is_on_policy(defaults):
+                out.append(name)
+        except KeyError:  # decided by a required parameter: not corrected by default
+            pass
+    return out
 
 
 def _entry(name: str) -> _Entry:
@@ -116,7 +166,8 @@ def get_loss(name: str, **params: object) -> Loss:
         key: own.get(key, param.default) for key, param in entry.params.items()
     } | {key: getattr(common, key) for key in sorted(COMMON_PARAMS)}
     return Loss(
-        name=name, formula=formula, params=resolved, common=common, needs_proximal=entry.needs_proximal
+        name=name, formula=formula, params=resolved, common=common, needs_proximal=entry.needs_proximal,
+        on_policy=entry.is_on_policy(resolved), description=entry.description(resolved),
     )
 
 
@@ -130,11 +181,15 @@ class Loss:
             the trainer may skip the proximal forward pass and pass ``proximal_logprobs=None``.
         needs_reference: True when ``kl_coef > 0``; the KL term is applied only on calls that
             receive ``reference_logprobs``.
+        on_policy: True when nothing in the formula corrects for the behaviour policy μ (see
+            ``register_loss``); mismatch masking drops outliers but corrects no ratio.
+        description: one line: which policy each ratio is taken against, which behaviour
+            correction applies, and the common corrections in effect.
     """
 
     def __init__(
         self, *, name: str, formula: LossFn, params: dict[str, object], common: CommonParams,
-        needs_proximal: bool,
+        needs_proximal: bool, on_policy: bool = False, description: str = "",
     ) -> None:
         self.name = name
         self.params = params
@@ -142,6 +197,8 @@ class Loss:
         self._common = common
         self.needs_proximal = needs_proximal or common.mismatch_mask != "off"
         self.needs_reference = common.kl_coef > 0
+        self.on_policy = on_policy
+        self.description = description + common.describe()
 
     def __repr__(self) -> str:
         args = ", ".join(f"{key}={value!r}" for key, value in self.params.items())

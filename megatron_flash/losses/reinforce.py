@@ -14,7 +14,9 @@ from megatron_flash.losses.common import LossFn, LossInputs, LossTerms, weight_m
 from megatron_flash.losses.registry import register_loss
 
 
-@register_loss("reinforce")
+@register_loss("reinforce", on_policy=True,
+               describe="no ratio: −A·log π_θ; behaviour correction: none (tokens train as if π_θ had "
+                        "sampled them)")
 def reinforce() -> LossFn:
     """REINFORCE. Metrics: is_weight_* are 1 (no correction), kept for uniform dashboards."""
 

@@ -13,7 +13,9 @@ from megatron_flash.losses.common import LossFn, LossInputs, LossTerms, check_nu
 from megatron_flash.losses.registry import register_loss
 
 
-@register_loss("tis")
+@register_loss("tis", describe=(
+    "ratio ρ = π_θ/μ (μ: the engine's behaviour policy that sampled the tokens), weight "
+    "sg(clamp(ρ, {lower}, {upper})) on −A·log π_θ; behaviour correction: yes (truncated importance sampling)"))
 def tis(*, lower: float = 0.0, upper: float = 1.0) -> LossFn:
     """TIS with weights clamped to [lower, upper] (0 ≤ lower ≤ upper).
 

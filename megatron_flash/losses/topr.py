@@ -30,7 +30,10 @@ from megatron_flash.losses.registry import register_loss
 TOPR_LEVELS = ("token", "sequence")
 
 
-@register_loss("topr")
+@register_loss("topr", describe=(
+    "ratio ρ = π_θ/μ per {level} (μ: the engine's behaviour policy that sampled the tokens); responses with "
+    "reward > 0: −A·log π_θ, others: weight sg(clamp(ρ, 0, 1)) on it; behaviour correction: yes on responses "
+    "with reward ≤ 0, none on positive ones (TOPR's design)"))
 def topr(*, level: str = "token") -> LossFn:
     """TOPR; needs ``rewards`` on every call.
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import logging
 import math
 import multiprocessing
 import numbers
@@ -45,11 +46,13 @@ import os
 import queue
 import signal
 import threading
-import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Optional, Protocol
 
 from megatron_flash.named import lookup
+from megatron_flash.trace import REQUEST_TAGS, TRACER
+
+logger = logging.getLogger(__name__)
 
 
 class RewardFn(Protocol):
@@ -103,9 +106,9 @@ def math_reward(response_text: str, answer: str, *, finished: bool, prompt: str 
     """1.0 iff the response is finished and math-verify judges its answer equal to ``answer``.
 
     math-verify bounds parsing and comparison with ``signal.alarm``, which exists only in the main
-    thread; elsewhere it raises ValueError. So the limits are on in a main thread (an inline pool
-    called from the main thread, or a RewardPool worker process, which runs tasks in its main
-    thread) and off in other threads, where only the pool's post-hoc timeout applies.
+    thread; elsewhere it raises ValueError. So the limits are on in a main thread (a RewardPool
+    worker process runs tasks in its main thread) and off in other threads (an inline pool's own
+    thread, for one), where the pool's deadline applies.
     """
     if not finished:
         return 0.0  # a truncated response has no final answer, whatever it contains
@@ -147,6 +150,53 @@ def _call(fn: RewardFn, name: str, response_text: str, answer: str, finished: bo
         return RewardOutcome(0.0, True, f"reward {name!r} returned {value!r} ({type(value).__name__}); "
                                         "expected a finite number")
     return RewardOutcome(float(value), False)
+
+
+class _InlineRunner:
+    """Runs reward calls one at a time on a daemon thread for asyncio callers, each with a deadline from
+    its own start (not from its turn in the queue). Python cannot stop a thread: one whose call is past
+    its deadline is retired (it exits once the call returns, if ever; a daemon cannot keep the process
+    alive) and a fresh thread takes the calls queued behind it."""
+
+    def __init__(self, fn: RewardFn, name: str) -> None:
+        self._fn, self._name = fn, name
+        self._calls: "queue.Queue[Any]" = queue.Queue()
+        self._retired = self._start()
+
+    def _start(self) -> threading.Event:
+        retired = threading.Event()
+        threading.Thread(target=self._serve, args=(retired,), name=f"reward-{self._name}", daemon=True).start()
+        return retired
+
+    def _serve(self, retired: threading.Event) -> None:
+        while not retired.is_set() and (item := self._calls.get()) is not None:
+            args, started, done = item
+            if not (started.set_running_or_notify_cancel() and done.set_running_or_notify_cancel()):
+                continue  # its caller gave up while it queued
+            started.set_result(None)
+            try:
+                outcome = _call(self._fn, self._name, *args)
+            except BaseException as e:  # noqa: BLE001 - e.g. SystemExit raised by the reward: fail the sample
+                outcome = RewardOutcome(0.0, True, f"reward {self._name!r} raised {type(e).__name__}: {e}")
+            done.set_result(outcome)
+
+    async def run(self, args: tuple, *, timeout_s: float) -> Optional[RewardOutcome]:
+        """The call's outcome, or None when it was still running timeout_s after it started (its thread is
+        then retired and replaced)."""
+        started: concurrent.futures.Future = concurrent.futures.Future()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((args, started, done))
+        await asyncio.wrap_future(started)  # calls run one at a time: no deadline while earlier ones run
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(done), timeout_s)
+        except asyncio.TimeoutError:
+            self._retired.set()
+            self._retired = self._start()
+            return None
+
+    def close(self) -> None:
+        self._retired.set()
+        self._calls.put(None)  # wakes an idle thread, which exits
 
 
 def _worker_ready(name: str) -> int:
@@ -194,9 +244,10 @@ class _Worker:
 class RewardPool:
     """Scores responses with the reward named ``name`` (see ``get_reward``) for asyncio callers.
 
-    ``num_workers == 0``: the reward runs inline in the calling thread (it blocks the event loop
-    for its duration; fine for cheap rewards such as exact_match). A slow call cannot be
-    interrupted there; one that took longer than ``timeout_s`` is still reported as failed.
+    ``num_workers == 0``: the reward runs on one daemon thread of the pool, one call at a time, the
+    event loop free meanwhile (fine for cheap rewards such as exact_match). A call still running
+    ``timeout_s`` after it started fails its sample; its thread, which Python cannot stop, is
+    abandoned (logged, counted in ``num_abandoned``) and a fresh one takes the next calls.
     ``num_workers > 0``: that many spawned processes (see the module docstring on how they find
     user rewards), started in the background at construction; a call that runs past
     ``timeout_s`` is failed and its process killed (a fresh one starts when next needed, outside
@@ -220,6 +271,8 @@ class RewardPool:
         self.num_scored = 0
         self.num_failed = 0
         self._fn = get_reward(name)  # unknown names fail here, in the caller
+        self._inline = _InlineRunner(self._fn, name) if num_workers == 0 else None
+        self.num_abandoned = 0  # inline threads left running past their deadline
         self._lock = threading.Lock()
         self._closed = False
         self._threads: Optional[concurrent.futures.ThreadPoolExecutor] = None
@@ -238,10 +291,13 @@ class RewardPool:
         if self._closed:
             raise RuntimeError(f"RewardPool({self.name!r}) is closed")
         args = (response_text, answer, finished, prompt, meta)
-        if self._threads is None:
-            outcome = self._score_inline(*args)
-        else:
-            outcome = await asyncio.wrap_future(self._threads.submit(self._score_in_worker, *args))
+        # On the run's timeline (trace.py), tagged with the prompt whose requests this task sent.
+        with TRACER.concurrent("reward", "reward", "rewards", **(REQUEST_TAGS.get() or {})) as info:
+            if self._threads is None:
+                outcome = await self._score_inline(*args)
+            else:
+                outcome = await asyncio.wrap_future(self._threads.submit(self._score_in_worker, *args))
+            info.update(reward=outcome.reward, failed=bool(outcome.failed))
         with self._lock:
             self.num_scored += 1
             self.num_failed += outcome.failed
@@ -252,6 +308,8 @@ class RewardPool:
         if self._closed:
             return
         self._closed = True
+        if self._inline is not None:
+            self._inline.close()
         if self._threads is not None:
             self._threads.shutdown(wait=True)
         for worker in self._workers:
@@ -263,13 +321,16 @@ class RewardPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _score_inline(self, *args: Any) -> RewardOutcome:
-        start = time.monotonic()
-        outcome = _call(self._fn, self.name, *args)
-        elapsed = time.monotonic() - start
-        if elapsed > self.timeout_s:
-            return RewardOutcome(0.0, True, f"reward {self.name!r} timed out: took {elapsed:.1f} s "
-                                            f"> {self.timeout_s} s (inline; result discarded)")
+    async def _score_inline(self, *args: Any) -> RewardOutcome:
+        outcome = await self._inline.run(args, timeout_s=self.timeout_s)
+        if outcome is None:
+            self.num_abandoned += 1
+            logger.warning("reward %r still running %s s after it started (rollout.reward_timeout_s): sample "
+                           "failed, its thread abandoned (%d so far); a reward that may hang belongs in "
+                           "rollout.reward_workers > 0, whose processes are killed", self.name, self.timeout_s,
+                           self.num_abandoned)
+            return RewardOutcome(0.0, True, f"reward {self.name!r} timed out after {self.timeout_s} s "
+                                            "(inline thread abandoned)")
         return outcome
 
     def _warm_up(self, worker: _Worker) -> None:

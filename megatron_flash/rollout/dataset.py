@@ -7,7 +7,8 @@
 
 Sources (``megatron_flash.config.schema.DataConfig``):
 
-  data.path   .jsonl / .json / .parquet, read with HF ``datasets``; ``data.prompt_key`` and
+  data.path   .jsonl / .json / .parquet, or a dataset directory (a Hub dataset's snapshot, data.split),
+              read with HF ``datasets``; ``data.prompt_key`` and
               ``data.answer_key`` name the columns, every other column lands in ``Prompt.meta``.
   data.task   a synthetic task from ``megatron_flash.rewards.synthetic`` (used when path is empty);
               ``data.num_samples`` items (1024 when 0) drawn from ``random.Random(seed)``.
@@ -156,18 +157,21 @@ class PromptDataset:
 
 def _load_file(cfg: DataConfig) -> _Rows:
     path = cfg.path
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise FileNotFoundError(f"data.path: prompt file {path!r} does not exist")
     ext = os.path.splitext(path)[1].lower()
-    if ext not in _LOADERS:
+    if os.path.isfile(path) and ext not in _LOADERS:
         raise ValueError(f"data.path: unsupported file type {ext or '(none)'!r} for {path!r}; "
-                         f"use one of {', '.join(sorted(_LOADERS))}")
+                         f"use one of {', '.join(sorted(_LOADERS))}, or a dataset directory")
     import datasets  # heavy; only when a file is used
 
     try:
-        table = datasets.load_dataset(_LOADERS[ext], data_files=path, split="train")
+        if os.path.isdir(path):  # a dataset's files (e.g. a Hub snapshot): datasets finds its splits
+            table = datasets.load_dataset(path, split=cfg.split)
+        else:
+            table = datasets.load_dataset(_LOADERS[ext], data_files=path, split="train")
     except Exception as e:  # datasets wraps parse errors in its own exception types
-        raise ValueError(f"data.path: could not read {path!r}: {type(e).__name__}: {e}") from e
+        raise ValueError(f"data.path: could not read {path!r} (split {cfg.split!r}): {type(e).__name__}: {e}") from e
     columns: dict[str, list[Any]] = table.to_dict()
     num_rows = table.num_rows
     if num_rows == 0:

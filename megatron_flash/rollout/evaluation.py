@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from megatron_flash.config.schema import DataConfig
 from megatron_flash.rollout.dataset import Prompt, PromptDataset
+from megatron_flash.trace import TRACER, TRAINER, tag_requests
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ async def evaluate(proxy: Any, sets: Sequence[EvalSet], reward_pool: Any, decode
     params = {"temperature": settings.temperature, "max_new_tokens": settings.max_new_tokens}
 
     async def one(prompt: Prompt, set_name: str, i: int) -> dict:
+        tag_requests(eval=set_name, prompt=prompt.index)
         result = await proxy.generate(list(prompt.prompt_ids), params, rid=f"eval-{set_name}-{prompt.index}-{i}")
         ids = list(result.output_ids)
         outcome = await reward_pool.score(decode(ids), prompt.answer, finished=result.finish_reason == "stop",
@@ -149,7 +151,8 @@ class PeriodicEvaluation:
                                 temperature=self.cfg.temperature, correct_threshold=self.cfg.correct_threshold,
                                 version=str(version) if version > 0 else None)
         t0 = time.monotonic()
-        metrics, records = self.runtime.evaluate(self.sets, settings)
+        with TRACER.span("evaluate", "eval", TRAINER, version=version, sets=len(self.sets)):
+            metrics, records = self.runtime.evaluate(self.sets, settings)
         self._done_at = steps_done
         with open(os.path.join(self.run_dir, "eval.jsonl"), "a") as f:
             f.write(json.dumps({"step": steps_done, "version": version, "seconds": time.monotonic() - t0,

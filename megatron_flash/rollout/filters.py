@@ -18,9 +18,13 @@ Your own filter: register it at import of your module, or name it as "module:fun
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import logging
+from typing import Any, Callable, Sequence
 
 from megatron_flash.named import lookup
+from megatron_flash.types import REWARD_LIMIT
+
+logger = logging.getLogger(__name__)
 
 FilterFn = Callable[[Sequence[float]], bool]
 
@@ -63,3 +67,14 @@ def keep_all(rewards: Sequence[float]) -> bool:
 def nonzero_std(rewards: Sequence[float]) -> bool:
     """Keep a group only if its rewards differ (an empty or one-sample group has no spread)."""
     return len(rewards) > 1 and max(rewards) - min(rewards) > EQUAL_TOLERANCE
+
+
+def overflowing_rewards(samples: Sequence[Any], *, group_id: int, prompt_index: Any) -> list[float]:
+    """Rewards of a finished group beyond ±types.REWARD_LIMIT or not finite (samples the reward pool
+    already failed aside), with a warning: the group is dropped as a failed reward, before any filter,
+    since such a reward would zero its group's advantages without a word."""
+    overflow = [s.reward for s in samples if not s.reward_failed and not abs(s.reward) <= REWARD_LIMIT]
+    if overflow:
+        logger.warning("group %d (prompt %s) dropped: rewards %s beyond ±%g (types.REWARD_LIMIT); counted in "
+                       "reward_overflow and reward_failed", group_id, prompt_index, overflow, REWARD_LIMIT)
+    return overflow

@@ -28,7 +28,9 @@ and gather results; if any engine fails, ``EngineFanOutError`` names each failed
 
 Metrics (``metrics()``, over the window since construction or ``reset_metrics()``): per engine its
 busy, idle and idle-while-queued fractions, in-flight counts, completions, failures and health
-(defined in rollout/slots.py); proxy-wide the queue length, completions, retries and aborts.
+(defined in rollout/slots.py); proxy-wide the queue length, completions, retries and aborts. Every
+dispatch → reply interval also goes to ``trace.ACTIVITY`` and, with logging.trace, to the run's
+timeline (rollout/request_trace.py).
 """
 
 from __future__ import annotations
@@ -36,11 +38,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Set, TypeVar
 
 from megatron_flash.engines.client import (EngineClient, EngineError, EngineHTTPError,
                                                   EngineTimeout, EngineUnreachable, GenerateResult)
+from megatron_flash.engines.client_replies import parse_input_logprobs
+from megatron_flash.rollout.request_trace import RequestWatch
 from megatron_flash.rollout.slots import EngineMetrics, EngineSlots, EngineState, ProxyMetrics
 
 __all__ = ["EngineFanOutError", "EngineMetrics", "LLMProxy", "N_ABORT_GRACE_S", "ProxyMetrics"]
@@ -74,7 +79,9 @@ class LLMProxy:
 
     def __init__(self, clients: Sequence[EngineClient], *, max_inflight_per_engine: int,
                  health_check_interval_s: float = 2.0, health_check_timeout_s: float = 5.0,
-                 max_attempts: Optional[int] = None) -> None:
+                 max_attempts: Optional[int] = None, trace_name: str = "engine") -> None:
+        """`trace_name`: its engines' tracks on the run's timeline ("engine 0", ...); only the policy's
+        engines ("engine") count as generating for pipeline/overlap (a teacher's scoring does not)."""
         if not clients:
             raise ValueError("LLMProxy needs at least one engine client, got none")
         if max_inflight_per_engine < 1:
@@ -87,6 +94,8 @@ class LLMProxy:
         self.max_attempts = max_attempts or max(3, 2 * len(clients))
         self._slots = EngineSlots(clients, max_inflight_per_engine=max_inflight_per_engine)
         self._engines = self._slots.engines
+        self._tracks = {id(e): f"{trace_name} {i}" for i, e in enumerate(self._engines)}
+        self._generates = trace_name == "engine"
         self._active: Dict[str, Optional[EngineState]] = {}  # rid → engine now serving it (None: between)
         self._aborted: Set[str] = set()
         self._fleet_weight_version: Optional[str] = None
@@ -190,6 +199,25 @@ class LLMProxy:
 
         return await self._serve(rid, call, aborted, num_samples=n)
 
+    async def score(self, input_ids: Sequence[int], *, start: int, rid: Optional[str] = None) -> List[float]:
+        """Teacher-forced logprobs of `input_ids[start:]` (each token given the ones before it) from
+        whichever engine frees a slot first, with generate's retries and health handling (a teacher's
+        scoring of a finished response). Raises EngineError when no engine could answer."""
+        if not 1 <= start < len(input_ids):
+            raise ValueError(f"score: start must be in [1, {len(input_ids) - 1}], got {start}")
+        rid = rid or uuid.uuid4().hex
+        ids = list(input_ids)
+
+        async def call(engine: EngineState) -> List[float]:
+            reply = await engine.client.score([ids], logprob_start_len=start - 1)
+            item = reply[0] if isinstance(reply, list) and len(reply) == 1 else reply
+            return parse_input_logprobs(item, url=engine.client.url, ids=ids, start=start - 1)
+
+        def aborted(message: str) -> List[float]:
+            raise EngineError(self.urls[0] if self.urls else "", "/generate", f"scoring {rid}: {message}")
+
+        return await self._serve(rid, call, aborted)
+
     async def _serve(self, rid: str, call: Callable[[EngineState], Awaitable[T]], aborted: Callable[[str], T], *,
                      num_samples: int = 1) -> T:
         """Run ``call`` on an engine slot with the exactly-once policy of the module docstring."""
@@ -199,6 +227,7 @@ class LLMProxy:
         slots = min(num_samples, self.max_inflight_per_engine)
         self._active[rid] = None
         attempts: List[str] = []
+        queued = time.monotonic_ns()
         try:
             while True:
                 if rid in self._aborted:
@@ -208,9 +237,13 @@ class LLMProxy:
                     return aborted("aborted by the proxy before dispatch")
                 self._active[rid] = engine
                 engine.rids.add(rid)
+                watch = RequestWatch(self._tracks[id(engine)], rid, num_samples=num_samples,
+                                     weight_version=self._fleet_weight_version,
+                                     queued_ns=time.monotonic_ns() - queued, activity=self._generates)
                 try:
                     result = await call(engine)
                 except (EngineUnreachable, EngineHTTPError) as e:
+                    watch.close(error=e)
                     engine.rids.discard(rid)
                     lost = isinstance(e, EngineUnreachable) or e.status in _UNAVAILABLE_STATUSES
                     if lost:  # before the release, or the freed slot would go to the dead engine
@@ -218,8 +251,8 @@ class LLMProxy:
                     self._slots.release(engine, failed=True, slots=slots)
                     if not lost:
                         raise
-                    if isinstance(e, EngineTimeout):  # it may still be generating: stop it
-                        self._spawn(self._quiet_abort(engine, rid))
+                    if isinstance(e, EngineTimeout):  # it may still be generating: stop it before the same
+                        await self._quiet_abort(engine, rid)  # rid is sent again (SGLang refuses a duplicate)
                     attempts.append(engine.client.url)
                     self._active[rid] = None
                     if len(attempts) >= self.max_attempts:
@@ -229,6 +262,7 @@ class LLMProxy:
                                    engine.client.url, e)
                     continue
                 except BaseException as e:
+                    watch.close(error=e)
                     engine.rids.discard(rid)
                     self._slots.release(engine, failed=True, slots=slots)
                     if isinstance(e, asyncio.CancelledError) and not self._closed:
@@ -238,6 +272,7 @@ class LLMProxy:
                     raise
                 engine.rids.discard(rid)
                 self._slots.release(engine, failed=False, slots=slots, num_completed=num_samples)
+                watch.close(result)  # with the release: a metrics window counts it iff the trace puts it before
                 return result
         finally:
             self._active.pop(rid, None)

@@ -7,6 +7,8 @@ thread-safe methods here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -18,6 +20,7 @@ from megatron_flash.buffer.staleness import StalenessManager
 from megatron_flash.rollout.filters import get_filter
 from megatron_flash.rollout.group_runner import GroupRunner, GroupRunnerFactory
 from megatron_flash.rollout.scheduler import RolloutScheduler, RolloutStats, SchedulerSettings
+from megatron_flash.trace import ACTIVITY, TRACER
 from megatron_flash.types import Group, decode_routes, encode_routes
 
 if TYPE_CHECKING:
@@ -48,6 +51,7 @@ class GroupDump:
                                "finished": s.finished, "finish_reason": s.finish_reason,
                                "version_start": s.version_start, "version_end": s.version_end,
                                "token_versions": s.token_versions, "response_mask": s.response_mask,
+                               **({} if s.teacher_logprobs is None else {"teacher_logprobs": s.teacher_logprobs}),
                                **({} if s.routed_experts is None else
                                   {"routed_experts": encode_routes(s.routed_experts),
                                    "routed_experts_width": int(s.routed_experts.shape[1])})}
@@ -103,10 +107,15 @@ class RolloutRuntime:
     def __init__(self, engines: "EngineConfig", rollout: "RolloutConfig", *, run_dir: str,
                  staleness: StalenessManager, buffer: SampleBuffer, dataset: Any, tokenizer: Any, model_path: str,
                  dump_groups: bool = False, group_runner_factory: Optional[GroupRunnerFactory] = None,
-                 return_routed_experts: bool = False, spawns: Optional[bool] = None) -> None:
+                 return_routed_experts: bool = False, spawns: Optional[bool] = None, distill: Any = None) -> None:
         self.engines_cfg, self.rollout_cfg = engines, rollout
+        self.distill = distill if distill is not None and distill.enabled else None
+        self.teacher_launcher: Any = None
+        self.teacher_urls: list[str] = []
         self.return_routed_experts = return_routed_experts
         self.run_dir, self.staleness, self.buffer = run_dir, staleness, buffer
+        staleness.observer = lambda event, n: TRACER.instant(event, "buffer", "buffer", samples=n,
+                                                             version=staleness.version)
         self.dump_groups = dump_groups
         self.group_runner_factory = group_runner_factory
         self.dataset, self.tokenizer, self.model_path = dataset, tokenizer, model_path
@@ -119,6 +128,7 @@ class RolloutRuntime:
         self._thread: Optional[threading.Thread] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._proxy: Any = None
+        self._teacher_proxy: Any = None
         self._reward_pool: Any = None
         self._ready = threading.Event()
         self._error: Optional[BaseException] = None
@@ -145,7 +155,36 @@ class RolloutRuntime:
                                     down_after=eng.attach_probe_failures)
         elif eng.max_restarts > 0:
             self.launcher.supervise(max_restarts=eng.max_restarts, on_down=self.engine_down)
+        if self.distill is not None:
+            self._start_teacher(first_gpu + eng.num_engines * eng.tp_size)
         return self.urls
+
+    def teacher_engines_cfg(self) -> Any:
+        """The teacher's engine settings: the student's, with the teacher's count, ports and flags
+        (launched on the student's backend), or attached at distill.urls."""
+        d = self.distill
+        if d.urls:
+            return dataclasses.replace(self.engines_cfg, backend="attach", urls=list(d.urls), num_engines=len(d.urls),
+                                       server_args={}, gpu_ids=[])
+        return dataclasses.replace(self.engines_cfg, num_engines=d.num_engines, base_port=d.base_port,
+                                   server_args=dict(d.server_args), gpu_ids=[], urls=[])
+
+    def _start_teacher(self, first_gpu: int) -> None:
+        from megatron_flash.engines.launcher import EngineLauncher
+
+        cfg = self.teacher_engines_cfg()
+        self.teacher_launcher = EngineLauncher.from_config(cfg, model_path=self.distill.teacher,
+                                                           run_dir=os.path.join(self.run_dir, "teacher"),
+                                                           first_gpu=first_gpu)
+        self.teacher_urls = self.teacher_launcher.start()
+        if cfg.backend != "attach" and cfg.max_restarts > 0:
+            self.teacher_launcher.supervise(max_restarts=cfg.max_restarts, on_down=self.teacher_down)
+        logger.info("teacher engines up: %s (%s)", self.teacher_urls, self.distill.teacher)
+
+    def teacher_down(self, url: str, reason: str) -> None:
+        loop, proxy = self._loop, self._teacher_proxy
+        if loop is not None and proxy is not None and loop.is_running():
+            loop.call_soon_threadsafe(proxy.take_out, url, reason)
 
     def engine_context(self) -> Optional[int]:
         """The smallest context (prompt + response tokens) the engines report in /get_server_info
@@ -223,7 +262,8 @@ class RolloutRuntime:
             "alpha": self.staleness.alpha, "batch_size": self.staleness.batch_size, "extra": self.staleness.extra,
             "admission": self.staleness.admission,
             "version": self.staleness.version, "counters": self.staleness.snapshot(),
-            "stale_policy": self.buffer.stale_policy, "restore": restore, "parent_pid": os.getpid()}
+            "stale_policy": self.buffer.stale_policy, "restore": restore, "parent_pid": os.getpid(),
+            "trace": TRACER.enabled, "distill": self.distill, "teacher_urls": self.teacher_urls}
         self._remote = RolloutProcess(spec, build_in_child)
         self.buffer, self.staleness = self._remote.buffer, self._remote.staleness
 
@@ -246,8 +286,16 @@ class RolloutRuntime:
         self._reward_pool = reward_pool
         try:
             group_filter = get_filter(r.dynamic_filter)
-            async with LLMProxy.from_config(self.engines_cfg, self.urls) as proxy:
+            async with contextlib.AsyncExitStack() as stack:
+                proxy = await stack.enter_async_context(LLMProxy.from_config(self.engines_cfg, self.urls))
                 self._proxy = proxy
+                teacher = None
+                if self.distill is not None:
+                    from megatron_flash.rollout.teacher import TeacherScorer
+
+                    self._teacher_proxy = await stack.enter_async_context(
+                        LLMProxy.from_config(self.teacher_engines_cfg(), self.teacher_urls, trace_name="teacher"))
+                    teacher = TeacherScorer(self._teacher_proxy)
                 settings = SchedulerSettings(
                     n_samples_per_prompt=r.n_samples_per_prompt, sampling_params=sampling_params(r),
                     max_new_tokens=r.max_new_tokens, prompt_replication=r.prompt_replication,
@@ -257,7 +305,8 @@ class RolloutRuntime:
                     overlong_penalty=r.overlong_penalty, max_prompt_retries=r.max_prompt_retries)
                 self.scheduler = RolloutScheduler(
                     dataset=self.dataset, proxy=proxy, reward_pool=reward_pool, group_filter=group_filter,
-                    buffer=self.buffer, staleness=self.staleness, settings=settings, decode=self.decode)
+                    buffer=self.buffer, staleness=self.staleness, settings=settings, decode=self.decode,
+                    teacher=teacher)
                 if self.dump is not None:
                     self.scheduler.on_group = self.dump.write
                 if self.group_runner_factory is not None:
@@ -273,6 +322,11 @@ class RolloutRuntime:
 
     def stop(self) -> None:
         if self._remote is not None:
+            if TRACER.enabled:  # the rollout process's last events
+                try:
+                    TRACER.add(self._remote.call("runtime", "take_activity")[3])
+                except Exception as e:  # noqa: BLE001 - a trace never stops a run
+                    logger.warning("rollout process trace events lost: %s", e)
             self._remote.stop()
         if self.scheduler is not None:
             self.scheduler.stop()
@@ -280,6 +334,8 @@ class RolloutRuntime:
             self._thread.join(timeout=60)
         if self.launcher is not None:
             self.launcher.stop()
+        if self.teacher_launcher is not None:
+            self.teacher_launcher.stop()
         if self.dump is not None:
             self.dump.close()
             self.dump = None
@@ -347,6 +403,8 @@ class RolloutRuntime:
                    "engine_restarts": float(len(self.launcher.restarts) if self.launcher is not None else 0)}
             for i, e in enumerate(m.engines):  # requests each engine completed this window
                 out[f"engine{i}_requests"] = float(e.completed)
+            # On this loop, so the trace puts exactly the requests this window counts before it.
+            TRACER.instant("metrics window", "rollout", "rollout", **{k: v for k, v in out.items() if "requests" in k})
             if self.group_runner is not None:
                 out.update(self.group_runner.stats.take().as_metrics())
             return stats, out
@@ -358,12 +416,23 @@ class RolloutRuntime:
             return RolloutStats(), {}
 
 
+    def take_activity(self) -> tuple[list[tuple[int, int]], list[int], int, list]:
+        """The engine requests' in-flight intervals since the last call, the starts of those still in
+        flight and the time now, in ns (`trace.ACTIVITY`); and the trace events of a rollout process."""
+        if self._remote is not None:
+            return self._remote.call("runtime", "take_activity")
+        done, open_starts, now = ACTIVITY.take()
+        return done, open_starts, now, TRACER.drain() if TRACER.forwarding else []
+
+
 def build_in_child(spec: dict[str, Any]) -> dict[str, Any]:
     """Inside the rollout process (rollout/process.py): from the `spec` that `_start_process` wrote, its
     own StalenessManager, SampleBuffer and a thread-mode RolloutRuntime, the rollout started."""
     staleness = StalenessManager(alpha=spec["alpha"], batch_size=spec["batch_size"], extra=spec["extra"],
                                  admission=spec["admission"])
     staleness.set_version(spec["version"])
+    if spec.get("trace"):  # events go to the trainer's trace with each step's take_activity
+        TRACER.forward()
     holder: dict[str, Any] = {}
     regenerate = spec["stale_policy"] == "regenerate"
     buffer = SampleBuffer(staleness, stale_policy=spec["stale_policy"],
@@ -375,8 +444,10 @@ def build_in_child(spec: dict[str, Any]) -> dict[str, Any]:
     runtime = RolloutRuntime(spec["engines"], spec["rollout"], run_dir=spec["run_dir"], staleness=staleness,
                              buffer=buffer, dataset=spec["dataset"], tokenizer=spec["tokenizer"],
                              model_path=spec["model_path"], dump_groups=spec["dump_groups"],
-                             return_routed_experts=spec["return_routed_experts"], spawns=False)
+                             return_routed_experts=spec["return_routed_experts"], spawns=False,
+                             distill=spec["distill"])
     holder["runtime"] = runtime
     runtime.urls = list(spec["urls"])
+    runtime.teacher_urls = list(spec["teacher_urls"])  # launched (and supervised) by the parent
     runtime.start_rollout(restore=restore)
     return {"runtime": runtime, "buffer": buffer, "staleness": staleness}

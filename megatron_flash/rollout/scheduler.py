@@ -29,13 +29,16 @@ import collections
 import dataclasses
 import logging
 import time
+import uuid
 from typing import Any, Callable, Deque, Optional, Sequence
 
 from megatron_flash.buffer.sample_buffer import SampleBuffer
 from megatron_flash.buffer.staleness import StalenessManager
+from megatron_flash.rollout.filters import overflowing_rewards
 from megatron_flash.rollout.group_runner import GroupDropped, GroupRunner
 from megatron_flash.counters import Counters
 from megatron_flash.engines.client import version_number
+from megatron_flash.trace import tag_requests
 from megatron_flash.types import Group, Sample
 
 logger = logging.getLogger(__name__)
@@ -49,7 +52,8 @@ def deterministic_refusal(error: BaseException) -> Optional[BaseException]:
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, EngineHTTPError) and 400 <= error.status < 500 and error.status not in (408, 429):
+        if (isinstance(error, EngineHTTPError) and 400 <= error.status < 500 and error.status not in (408, 429)
+                and "duplicate request id" not in error.body.lower()):  # a timed-out copy still there: transient
             return error
         error = error.__cause__ or error.__context__
     return None
@@ -97,6 +101,7 @@ class RolloutStats(Counters):
     resumes: int = 0
     engine_errors: int = 0
     reward_failures: int = 0
+    reward_overflow: int = 0  # rewards beyond ±types.REWARD_LIMIT or not finite (in reward_failures too)
     groups_finished: int = 0
     groups_filtered: int = 0
     groups_expired: int = 0
@@ -114,8 +119,9 @@ class RolloutStats(Counters):
 class RolloutScheduler:
     def __init__(self, *, dataset: Any, proxy: Any, reward_pool: Any, group_filter: Callable[[Sequence[float]], bool],
                  buffer: SampleBuffer, staleness: StalenessManager, settings: SchedulerSettings,
-                 decode: Callable[[list[int]], str], poll_s: float = 0.005) -> None:
+                 decode: Callable[[list[int]], str], poll_s: float = 0.005, teacher: Any = None) -> None:
         self.dataset, self.proxy, self.reward_pool = dataset, proxy, reward_pool
+        self.teacher = teacher  # rollout/teacher.TeacherScorer with distill.teacher: scores each finished response
         self.group_filter, self.buffer, self.staleness = group_filter, buffer, staleness
         self.settings, self.decode, self.poll_s = settings, decode, poll_s
         self.stats = RolloutStats()
@@ -313,8 +319,10 @@ class RolloutScheduler:
         self._last_success = time.monotonic()
         self._failing_since = None
         self._failures.pop(getattr(prompt, "index", "?"), None)
-        if any(s.reward_failed for s in samples):
-            self.stats.reward_failures += sum(s.reward_failed for s in samples)
+        overflow = overflowing_rewards(samples, group_id=group_id, prompt_index=getattr(prompt, "index", "?"))
+        self.stats.reward_overflow += len(overflow)
+        if overflow or any(s.reward_failed for s in samples):
+            self.stats.reward_failures += sum(s.reward_failed for s in samples) + len(overflow)
             self.staleness.on_drop(n, reason="failed")
             return
         group = Group(group_id=group_id, prompt_index=getattr(prompt, "index", -1), samples=list(samples),
@@ -410,6 +418,7 @@ class RolloutScheduler:
                 if resumes > self.settings.max_resumes:
                     raise RolloutError(f"request {base_rid} was aborted {resumes} times without finishing")
             seg_version = self.staleness.version
+            tag_requests(prompt=getattr(prompt, "index", -1), version_start=seg_version, resume=resumes)
             result = await self.proxy.generate(list(prompt.prompt_ids) + ids, self._params(remaining),
                                                rid=f"{base_rid}-r{resumes}", **self._route_kw)
             self.stats.requests += 1
@@ -430,6 +439,7 @@ class RolloutScheduler:
         n = self.settings.n_samples_per_prompt if count is None else count
         seg_version = self.staleness.version
         rid = f"g{group_id}" if count is None else f"g{group_id}-c{first}"
+        tag_requests(prompt=getattr(prompt, "index", -1), version_start=seg_version)
         results = await self.proxy.generate_n(list(prompt.prompt_ids), self._params(self.settings.max_new_tokens),
                                               n, rid=rid, **self._route_kw)
         self.stats.requests += 1
@@ -450,8 +460,14 @@ class RolloutScheduler:
     async def _finish(self, prompt: Any, group_id: int, version: int, ids: list[int], logprobs: list[float],
                       versions: list[Optional[int]], finish: str, resumes: int, routes: Any = None) -> Sample:
         finished = finish == "stop"
-        outcome = await self.reward_pool.score(self.decode(ids), prompt.answer, finished=finished,
-                                               prompt=prompt.text, meta=getattr(prompt, "meta", None))
+        scoring = self.reward_pool.score(self.decode(ids), prompt.answer, finished=finished,
+                                         prompt=prompt.text, meta=getattr(prompt, "meta", None))
+        teacher = None
+        if self.teacher is None:
+            outcome = await scoring
+        else:  # the teacher's logprobs of these exact tokens, beside the reward
+            outcome, teacher = await asyncio.gather(scoring, self.teacher.logprobs(
+                prompt.prompt_ids, ids, rid=f"teacher-g{group_id}-{uuid.uuid4().hex[:8]}"))
         known = [v for v in versions if v is not None]
         token_versions = ([-1 if v is None else v for v in versions]
                           if len(known) < len(versions) or len(set(known)) > 1 else None)
@@ -465,7 +481,8 @@ class RolloutScheduler:
                       reward=float(outcome.reward) - penalty, group_id=group_id, finished=finished, version_start=version,
                       version_end=max(known) if known else self.staleness.version, token_versions=token_versions,
                       prompt_index=getattr(prompt, "index", -1), finish_reason=finish,
-                      reward_failed=bool(outcome.failed), num_resumes=resumes, routed_experts=routes)
+                      reward_failed=bool(outcome.failed), num_resumes=resumes, routed_experts=routes,
+                      teacher_logprobs=teacher)
 
 
 def _token_versions(result: Any, seg_version: int) -> list[Optional[int]]:

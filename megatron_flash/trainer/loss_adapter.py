@@ -13,29 +13,50 @@ from typing import Optional
 import torch
 
 from megatron_flash.losses import Loss, aggregate
+from megatron_flash.losses.proximal import approximate_proximal
 from megatron_flash.types import TrainBatch
 
 
-def make_loss_fn(loss: Loss, *, aggregation: str = "token_mean", norm: Optional[float] = None):
-    def loss_fn(mb: TrainBatch, logprobs: torch.Tensor, entropy: Optional[torch.Tensor]):
+class RLLossFn:
+    """The trainer's loss_fn for a registry loss. With `approximate_prox` and a micro-batch that carries
+    no proximal_logprobs, π_prox comes from the training forward itself (losses/proximal.py): the caller
+    sets `theta_advance` = k / K before optimizer step k of the K this batch takes."""
+
+    def __init__(self, loss: Loss, *, aggregation: str, norm: Optional[float], approximate_prox: bool) -> None:
+        self.loss = loss
+        self.aggregation = aggregation
+        self.norm = norm
+        self.approximate_prox = approximate_prox and loss.needs_proximal
+        self.theta_advance = 0.0
+
+    def __call__(self, mb: TrainBatch, logprobs: torch.Tensor, entropy: Optional[torch.Tensor]):
         if mb.behavior_logprobs is None or mb.advantages is None:
             raise ValueError("an RL loss needs the batch's behavior_logprobs and advantages")
-        per_token, metrics = loss(
+        proximal = mb.proximal_logprobs
+        if proximal is None and self.approximate_prox:
+            if mb.behavior_lag is None:
+                raise ValueError("approximating π_prox needs the batch's behavior_lag")
+            proximal = approximate_proximal(logprobs=logprobs, behavior_logprobs=mb.behavior_logprobs,
+                                            behavior_lag=mb.behavior_lag, theta_advance=self.theta_advance)
+        per_token, metrics = self.loss(
             logprobs=logprobs,
             behavior_logprobs=mb.behavior_logprobs,
             advantages=mb.advantages,
             loss_mask=mb.loss_mask,
             rewards=mb.rewards,
-            proximal_logprobs=mb.proximal_logprobs,
+            proximal_logprobs=proximal,
             reference_logprobs=mb.reference_logprobs,
         )
-        loss_sum, denominator = aggregate(per_token, mb.loss_mask, mode=aggregation, norm=norm)
+        loss_sum, denominator = aggregate(per_token, mb.loss_mask, mode=self.aggregation, norm=self.norm)
         if entropy is not None:
             mask = mb.loss_mask
             metrics = {**metrics, "entropy": (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)}
         return loss_sum, denominator, metrics
 
-    return loss_fn
+
+def make_loss_fn(loss: Loss, *, aggregation: str = "token_mean", norm: Optional[float] = None,
+                 approximate_prox: bool = False) -> RLLossFn:
+    return RLLossFn(loss, aggregation=aggregation, norm=norm, approximate_prox=approximate_prox)
 
 
 def nll_loss_fn(mb: TrainBatch, logprobs: torch.Tensor, entropy: Optional[torch.Tensor]):
@@ -48,8 +69,12 @@ def build_loss(loss_cfg) -> Loss:
     """The configured loss: `loss.name` + `loss.params`, with the KL settings of the loss section."""
     from megatron_flash.losses import get_loss
 
-    return get_loss(loss_cfg.name, **dict(loss_cfg.params), kl_coef=loss_cfg.kl_coef,
+    loss = get_loss(loss_cfg.name, **dict(loss_cfg.params), kl_coef=loss_cfg.kl_coef,
                     kl_estimator=loss_cfg.kl_estimator)
+    if loss_cfg.prox_logprobs == "approximate" and not loss.needs_proximal:
+        raise ValueError(f"loss.prox_logprobs=approximate has nothing to approximate: loss {loss_cfg.name!r} does "
+                         "not read π_prox (use it with decoupled_ppo, ppo, gspo or a mismatch mask)")
+    return loss
 
 
 def aggregation_norm(loss_cfg, max_new_tokens: int) -> Optional[float]:
@@ -62,5 +87,5 @@ def aggregation_norm(loss_cfg, max_new_tokens: int) -> Optional[float]:
 def build_loss_fn(loss_cfg, *, max_new_tokens: int = 0):
     """(Loss, trainer loss_fn) from a `LossConfig`; the only place a config becomes a loss."""
     loss = build_loss(loss_cfg)
-    return loss, make_loss_fn(loss, aggregation=loss_cfg.aggregation,
-                              norm=aggregation_norm(loss_cfg, max_new_tokens))
+    return loss, make_loss_fn(loss, aggregation=loss_cfg.aggregation, norm=aggregation_norm(loss_cfg, max_new_tokens),
+                              approximate_prox=loss_cfg.prox_logprobs == "approximate")

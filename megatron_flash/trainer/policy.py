@@ -45,6 +45,7 @@ from megatron_flash.trainer.model_builder import (
     validate_layout,
 )
 from megatron_flash.hf.spec import HFModelSpec, read_hf_spec
+from megatron_flash.trainer.weight_health import weights_finite
 from megatron_flash.types import TrainBatch
 
 MicroBatchLossFn = Callable[[TrainBatch, torch.Tensor, Optional[torch.Tensor]],
@@ -406,8 +407,11 @@ class MegatronPolicy:
         else:  # one NaN/inf gradient would poison every weight it reaches: no update, no LR step
             self.optimizer.zero_grad()
             update_ok, grad_norm = False, None
+        # Finite gradients can still blow the weights up (a huge step): caught here, before any push.
+        weights_bad = bool(update_ok) and not weights_finite(self.chunks, device=self.device)
         metrics = self._reduce_metrics(store, grad_norm=grad_norm, update_ok=update_ok)
         metrics["nonfinite_skipped"] = float(not update_ok and grad_norm is None)
+        metrics["weights_nonfinite"] = float(weights_bad)
         metrics["lr"] = lr
         metrics["micro_batches"] = float(len(micro))
         metrics["tokens_computed"] = float(sum(m.tokens.numel() for m in micro))

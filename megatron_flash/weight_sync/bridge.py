@@ -24,6 +24,7 @@ import os
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from megatron_flash.trace import TRACER, TRAINER
 from megatron_flash.weight_sync import probe as probe_lib
 from megatron_flash.weight_sync.calls import EngineCalls, from_rank0
 from megatron_flash.weight_sync.colocate import MemoryHandoff
@@ -122,7 +123,8 @@ class WeightBridge:
         if not targets:
             raise WeightSyncError(f"weight sync to version {version}: no engine in service "
                                   f"(out of service: {self.failed or 'none'})")
-        self.transport.prepare(version)
+        with TRACER.span("prepare", "sync", TRAINER, transport=self.transport.name):
+            self.transport.prepare(version)
         out = self.executor.run(version, targets, max_resync=self.max_resync)
         errors = out.errors
         self._take_out(errors)
@@ -162,8 +164,9 @@ class WeightBridge:
         """Teacher-forced logprobs of fixed sequences: trainer (all ranks) vs every engine in `urls`
         (rank 0). Returns (max, mean, worst url, {url: error} of engines that could not answer), the
         same on every rank; raises when none answered. Collective."""
-        result = from_rank0(probe_lib.run_probe(self.policy, urls, api_key=self.api_key, timeout_s=self.timeout_s,
-                                                rank0=self.rank0))
+        with TRACER.span("probe", "sync", TRAINER, engines=len(urls)):
+            result = from_rank0(probe_lib.run_probe(self.policy, urls, api_key=self.api_key,
+                                                    timeout_s=self.timeout_s, rank0=self.rank0))
         if isinstance(result, str):
             raise WeightSyncError(result)
         return result

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from megatron_flash.trace import TRACER, TRAINER
 from megatron_flash.weight_sync.calls import EngineCalls, Errors, from_rank0, merge_errors, sum_over_ranks
 from megatron_flash.weight_sync.colocate import MemoryHandoff
 from megatron_flash.weight_sync.plan import bucket_nbytes, hf_buckets
@@ -69,34 +70,43 @@ class Executor:
     def _pass(self, version: int, targets: list[str], *, resync: bool = False) -> tuple[Errors, int, int]:
         """One attempt to bring `targets` to `version`. Collective. Returns (errors, bytes, buckets)."""
         streaming = self.transport.streams_buckets
-        fan = self.calls.fan
         errors: Errors = {}
-        if self.rank0:
-            _, errors = fan("pause_generation", targets, lambda c: c.pause_generation(self.pause_mode))
-            if self.memory is not None:  # the weights' memory first (values arrive with this pass), KV after it
-                errors.update(self.memory.resume([u for u in targets if u not in errors], ["weights"],
-                                                 "resume_memory_occupation(weights)"))
-            if streaming and resync:  # a session left open (by the failed pass, or a crashed trainer) blocks begin
-                fan("end_weight_update", [u for u in targets if u not in errors], lambda c: c.end_weight_update(),
-                    session=True, retries=0)
-            if streaming:
-                _, begin = fan("begin_weight_update", [u for u in targets if u not in errors],
-                               lambda c: c.begin_weight_update(), session=True)
-                errors.update(begin)
+        if self.rank0:  # the trace's push phases (pause, buckets, resume) are rank 0's (trace.py)
+            with TRACER.span("pause", "sync", TRAINER, engines=len(targets), mode=self.pause_mode, resync=resync):
+                errors = self._pause(targets, resync=resync)
         errors = from_rank0(errors)
         active = [u for u in targets if u not in errors]
         local: Errors = {}
         sent = buckets = 0
-        if active and streaming:
-            local, sent, buckets = self._stream(active)
-        elif active and self.rank0:
-            local = self.transport.load(version, active)
+        with TRACER.span("buckets", "sync", TRAINER, engines=len(active), transport=self.transport.name) as info:
+            if active and streaming:
+                local, sent, buckets = self._stream(active)
+            elif active and self.rank0:
+                local = self.transport.load(version, active)
+            info.update(buckets=buckets, bytes=sent)  # this rank's
         errors.update(merge_errors(local))
         if self.rank0:
-            errors.update(self._finish(version, active, errors))
+            with TRACER.span("resume", "sync", TRAINER, engines=len(active)):
+                errors.update(self._finish(version, active, errors))
         errors = from_rank0(errors)
         sent, buckets = sum_over_ranks(sent, buckets)
         return errors, sent, buckets
+
+    def _pause(self, targets: list[str], *, resync: bool) -> Errors:
+        """Rank 0, before the transfer: pause the engines and open their weight-update sessions."""
+        fan, streaming = self.calls.fan, self.transport.streams_buckets
+        _, errors = fan("pause_generation", targets, lambda c: c.pause_generation(self.pause_mode))
+        if self.memory is not None:  # the weights' memory first (values arrive with this pass), KV after it
+            errors.update(self.memory.resume([u for u in targets if u not in errors], ["weights"],
+                                             "resume_memory_occupation(weights)"))
+        if streaming and resync:  # a session left open (by the failed pass, or a crashed trainer) blocks begin
+            fan("end_weight_update", [u for u in targets if u not in errors], lambda c: c.end_weight_update(),
+                session=True, retries=0)
+        if streaming:
+            _, begin = fan("begin_weight_update", [u for u in targets if u not in errors],
+                           lambda c: c.begin_weight_update(), session=True)
+            errors.update(begin)
+        return errors
 
     def _finish(self, version: int, active: list[str], errors: Errors) -> Errors:
         """Rank 0, after the transfer: set the version on the engines that got everything, close, resume."""
@@ -138,7 +148,9 @@ class Executor:
                     step = f"PP stage {stage} bucket {index}"
                     try:
                         if live:
-                            errors.update(self.transport.send(bucket, live, step))
+                            with TRACER.span("bucket", "sync", TRAINER, stage=stage, index=index,
+                                             bytes=bucket_nbytes(bucket)):
+                                errors.update(self.transport.send(bucket, live, step))
                         sent += bucket_nbytes(bucket)
                         count += 1
                         if self.on_bucket is not None:  # "went out" = the engines have it

@@ -21,6 +21,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from megatron_flash.engines.client_base import MalformedReply
+from megatron_flash.engines.client_replies import parse_input_logprobs
+
 NUM_SEQUENCES = 4
 PROMPT_LEN = 8
 CONTINUATION_LEN = 8
@@ -44,19 +47,10 @@ def parse_continuation_logprobs(reply: Any, tokens: torch.Tensor, prompt_len: in
         raise ValueError(f"probe: {url}/generate answered {type(reply).__name__} for a batch of {len(rows)}")
     out = []
     for i, (item, row) in enumerate(zip(reply, rows)):
-        entries = (item.get("meta_info") or {}).get("input_token_logprobs") if isinstance(item, dict) else None
-        expect = row[prompt_len - 1:]
-        if not isinstance(entries, list) or len(entries) != len(expect):
-            raise ValueError(f"probe: {url} sequence {i}: meta_info.input_token_logprobs has "
-                             f"{len(entries) if isinstance(entries, list) else entries!r} entries, expected "
-                             f"{len(expect)} (logprob_start_len={prompt_len - 1} of {len(row)} tokens)")
-        ids = [e[1] for e in entries]
-        if ids != expect:
-            raise ValueError(f"probe: {url} sequence {i}: input_token_logprobs are for ids {ids}, sent {expect}")
-        values = [e[0] for e in entries[1:]]
-        if any(not isinstance(v, (int, float)) for v in values):
-            raise ValueError(f"probe: {url} sequence {i}: non-numeric logprobs {values}")
-        out.append([float(v) for v in values])
+        try:
+            out.append(parse_input_logprobs(item, url=url, ids=row, start=prompt_len - 1))
+        except MalformedReply as e:
+            raise ValueError(f"probe: {url} sequence {i}: {e}") from e
     return out
 
 

@@ -28,6 +28,43 @@ def test_a_nonfinite_gradient_skips_the_update(tiny_models) -> None:
     assert out["moved_after_clean"] > 0 and out["finite_after_clean"] is True
 
 
+def test_blown_up_weights_after_a_finite_update_are_flagged_on_every_rank(tiny_models) -> None:
+    """DP2 (two gloo ranks). Each case's gradients are finite, so the update runs; then the weights are
+    bad on one rank only (inf, or finite 1e30) or on both (learning rate 1e30): every rank must report
+    it, and a clean step must not."""
+    proc = run_tool([SCRIPT, "--model-path", tiny_models["llama"], "--blow-up"], nproc=2)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in rows) == [0, 1], proc.stdout[-2000:]
+    for r in rows:
+        assert r["clean"] == {"nonfinite_skipped": 0.0, "update_ok": 1.0, "weights_nonfinite": 0.0}, r
+        for case in ("inf_on_rank0", "huge_on_rank1", "lr_1e30"):
+            assert r[case] == {"nonfinite_skipped": 0.0, "update_ok": 1.0, "weights_nonfinite": 1.0}, (case, r)
+        assert r["largest_weight_after_lr_1e30"] > 1e20  # finite gradients really blew the weights up
+
+
+def test_blown_up_weights_stop_the_run_before_the_push_naming_version_and_last_checkpoint(tmp_path) -> None:
+    from megatron_flash.controller import Controller
+    from megatron_flash.controller.checkpoints import Checkpoints
+    from megatron_flash.trainer import checkpoint as ckpt
+
+    ckpts = Checkpoints(SimpleNamespace(save_dir=str(tmp_path / "ckpt")), policy=None, run_dir=str(tmp_path),
+                        rank=0, ctrl_group=None, mode=None)
+    assert ckpts.last_good() == "none saved by this run (it started from model.hf_path)"
+    saved = tmp_path / "ckpt" / "step_000004"
+    saved.mkdir(parents=True)
+    (saved / "meta.json").write_text("{}")
+    (tmp_path / "ckpt" / ckpt.LATEST).write_text("step_000004")
+    ctl = SimpleNamespace(version=5, _trained=False, checkpoints=ckpts)
+    Controller._stop_on_blown_up_weights(ctl, {"weights_nonfinite": 0.0})  # a good step goes on
+    with pytest.raises(RuntimeError) as info:
+        Controller._stop_on_blown_up_weights(ctl, {"weights_nonfinite": 1.0})
+    message = str(info.value)
+    assert "the optimizer step at policy version 5 left non-finite weights" in message
+    assert "the engines still serve version 5" in message
+    assert f"Last good checkpoint: {saved} (checkpoint.resume=true resumes it)" in message
+    assert ctl._trained  # an export at the stop labels the weights with the version they are (6)
+
+
 def test_the_run_stops_after_max_nonfinite_steps_in_a_row_with_the_batch_dumped(tmp_path) -> None:
     import torch
 
@@ -55,6 +92,7 @@ def _main() -> int:
     warnings.filterwarnings("ignore")
     p = argparse.ArgumentParser()
     p.add_argument("--model-path", required=True)
+    p.add_argument("--blow-up", action="store_true", help="the blown-up-weights cases (run under torchrun, DP2)")
     args = p.parse_args()
 
     import torch
@@ -81,6 +119,8 @@ def _main() -> int:
     def weights() -> dict:
         return {n: p.detach().clone() for n, p in policy.chunks[0].named_parameters()}
 
+    if args.blow_up:
+        return _blow_up(policy, batch(1.0), loss_fn)
     out = {}
     try:
         before = weights()
@@ -97,6 +137,49 @@ def _main() -> int:
         out["finite_after_clean"] = all(bool(torch.isfinite(v).all()) for v in moved.values())
         out = {k: ({m: v[m] for m in ("nonfinite_skipped", "update_ok")} if isinstance(v, dict) else v)
                for k, v in out.items()}
+        print(json.dumps(out), flush=True)
+    finally:
+        destroy_distributed()
+    return 0
+
+
+def _blow_up(policy, batch, loss_fn) -> int:
+    """Train steps whose update leaves the weights bad (see the test); prints this rank's flags."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_flash.trainer.distributed import destroy_distributed
+
+    rank = dist.get_rank()
+    step = policy.optimizer.step
+    param = next(policy.chunks[0].parameters())
+
+    def then(rank_to_poison: int, value: float):
+        def poisoned_step():
+            result = step()
+            if rank == rank_to_poison:
+                with torch.no_grad():
+                    param.view(-1)[0] = value  # this rank's copy only: the others' stay fine
+            return result
+        return poisoned_step
+
+    def flags(metrics: dict) -> dict:
+        return {k: metrics[k] for k in ("nonfinite_skipped", "update_ok", "weights_nonfinite")}
+
+    out = {"rank": rank}
+    try:
+        out["clean"] = flags(policy.train_step(batch, loss_fn))
+        for case, rank_to_poison, value in (("inf_on_rank0", 0, float("inf")), ("huge_on_rank1", 1, 1e30)):
+            good = param.detach().clone()
+            policy.optimizer.step = then(rank_to_poison, value)
+            out[case] = flags(policy.train_step(batch, loss_fn))
+            policy.optimizer.step = step
+            with torch.no_grad():
+                param.copy_(good)
+        for group in policy.optimizer.param_groups:
+            group["lr"] = 1e30
+        out["lr_1e30"] = flags(policy.train_step(batch, loss_fn))
+        out["largest_weight_after_lr_1e30"] = max(p.detach().abs().max().item() for p in policy.chunks[0].parameters())
         print(json.dumps(out), flush=True)
     finally:
         destroy_distributed()

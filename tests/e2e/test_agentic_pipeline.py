@@ -6,7 +6,8 @@ carry the multi-turn layout of the env manager: `response_mask` is 1 exactly on 
 (those with an engine logprob, at most max_tokens_per_turn per turn) and 0 on what the env manager
 inserted (an end token after a length-cut turn, then the template's next user message + generation
 prompt, which decodes to `user|map:...</s>assistant|`), so the trainer's loss mask covers the
-actions only; and with injected env failures and hangs the episodes are counted as failed and the
+actions only; its timeline (logging.trace) shows every env reset and step and every model turn, tagged
+with its episode; and with injected env failures and hangs the episodes are counted as failed and the
 run still finishes every step.
 """
 
@@ -63,7 +64,7 @@ def test_agentic_run_trains_only_the_action_tokens(tiny_models, tmp_path) -> Non
     from megatron_flash.types import collate
 
     run_dir, dump = str(tmp_path / "run"), str(tmp_path / "groups.jsonl")
-    run(agentic_run(tiny_models["llama"], run_dir, f"rollout.dump_path={dump}"))
+    run(agentic_run(tiny_models["llama"], run_dir, f"rollout.dump_path={dump}", "logging.trace=true"))
     rows = metrics(run_dir)
     assert [r["version"] for r in rows] == [1, 2, 3]
     assert sum(r["env/episodes"] for r in rows) >= 3 * 8
@@ -73,6 +74,15 @@ def test_agentic_run_trains_only_the_action_tokens(tiny_models, tmp_path) -> Non
         assert r["env/errors"] == 0 and r["env/failed"] == 0
         assert 1 <= r["env/turns_mean"] <= 3
         assert 0 < r["response_len_mean"] <= 3 * MAX_TOKENS_PER_TURN  # model tokens only
+    with open(os.path.join(run_dir, "trace.json")) as f:
+        spans = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+    steps = [e for e in spans if e["name"] == "env step"]
+    resets = [e for e in spans if e["name"] == "env reset"]
+    turns = [e for e in spans if e["name"].startswith(("request", "resumed request")) and "episode" in e["args"]]
+    assert len(resets) >= sum(r["env/episodes"] for r in rows)  # finished episodes, and those still running
+    assert steps and all({"seed", "episode", "turn", "reward", "done"} <= set(e["args"])
+                         for e in steps if "error" not in e["args"])  # (a step cancelled at the run's end)
+    assert len(turns) >= len(steps)  # every env step follows a model turn
 
     tok = transformers.AutoTokenizer.from_pretrained(tiny_models["llama"])
     with open(dump) as f:

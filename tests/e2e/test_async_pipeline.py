@@ -5,6 +5,10 @@ Checked: the run finishes with exit 0, one metrics row per step with the documen
 versions 1..N, staleness within α (and exactly 0 for α = 0), the engine's behavior logprobs equal
 the trainer's for fresh samples (train/inference parity through the pushes), the final HF export
 differs from the start, rollout-only dumps replay in train-only mode, and bad input fails clearly.
+The α runs also write their timeline (logging.trace): it parses, spans nest per row, the engine's
+request spans are exactly the requests each metrics window counted, generation overlaps training at
+α = 2 and never at α = 0 (and pipeline/overlap says the same); tools/report.py builds from the α = 2
+run. Runs without logging.trace write no trace.
 """
 
 from __future__ import annotations
@@ -45,6 +49,43 @@ def load_dir(path: str) -> dict:
     return out
 
 
+def check_trace(run_dir: str, rows: list[dict], *, alpha: int) -> None:
+    with open(os.path.join(run_dir, "trace.json")) as f:
+        events = json.load(f)["traceEvents"]
+    tracks = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert spans and all(e["dur"] >= 0 for e in spans)
+    rows_of: dict = {}
+    for e in spans:  # one row's spans nest (the viewers need it): never a partial overlap
+        rows_of.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for row in rows_of.values():
+        open_ends: list[float] = []
+        for start, end in sorted(row, key=lambda x: (x[0], -x[1])):
+            while open_ends and open_ends[-1] <= start + 1e-3:
+                open_ends.pop()
+            assert not open_ends or end <= open_ends[-1] + 1e-3, (start, end, open_ends)
+            open_ends.append(end)
+    assert [e["name"] for e in spans if e["name"].startswith("step ")] == [f"step {r['step']}" for r in rows]
+    assert {"batch wait", "train", "optimizer step", "weight push", "pause", "buckets", "resume", "probe",
+            "reward"} <= {e["name"] for e in spans}
+    requests = [e for e in spans if tracks[e["pid"]] == "engine 0"]
+    assert requests and all(e["name"].startswith(("request", "resumed request")) for e in requests)
+    assert all("prompt" in e["args"] and "version_start" in e["args"] for e in requests)
+    # each metrics window counted exactly the replies the trace puts between its mark and the one before
+    marks = [e["ts"] for e in events if e["name"] == "metrics window"]
+    assert len(marks) == len(rows)
+    replied = [e["ts"] + e["dur"] for e in requests if e["args"]["finish"] not in ("error", "cancelled")]
+    for r, lo, hi in zip(rows, [float("-inf")] + marks, marks):
+        assert sum(lo < end <= hi for end in replied) == r["engine0_requests"], r["step"]
+    trains = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"] == "train"]
+    overlapping = [e for e in requests if any(e["ts"] < b and e["ts"] + e["dur"] > a for a, b in trains)]
+    if alpha == 0:  # generation and training alternate: by construction, not by luck
+        assert not overlapping and all(r["pipeline/overlap"] == 0 for r in rows)
+    else:
+        assert overlapping and max(r["pipeline/overlap"] for r in rows) > 0
+    assert all(0 <= r["pipeline/overlap"] <= 1 for r in rows)
+
+
 def metrics(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -55,7 +96,8 @@ def test_async_run_end_to_end(tiny_models, tmp_path, alpha: int) -> None:
     run_dir = str(tmp_path / "run")
     # α = 2 also runs DAPO's overlong shaping and filtering (the quickstart's responses often hit the limit)
     overlong = ["rollout.overlong_buffer_len=4", "rollout.overlong_filter=true"] if alpha else []
-    run(small_run(tiny_models["llama"], run_dir, f"async_rl.alpha={alpha}", *overlong), timeout=600)
+    run(small_run(tiny_models["llama"], run_dir, f"async_rl.alpha={alpha}", "logging.trace=true", *overlong),
+        timeout=600)
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["version"] for r in rows] == [1, 2, 3, 4]
@@ -85,6 +127,14 @@ def test_async_run_end_to_end(tiny_models, tmp_path, alpha: int) -> None:
     final = load_dir(os.path.join(run_dir, "final_hf"))
     assert set(start) == set(final)
     assert any((start[k] - final[k]).abs().max() > 0 for k in start)  # it trained
+    assert sum(v for r in rows for k, v in r.items() if k.startswith("staleness/samples_")) == 16 * len(rows)
+    check_trace(run_dir, rows, alpha=alpha)
+    if alpha:
+        from tools.report import SECTIONS, build_report
+
+        page = build_report(run_dir)
+        assert all(f"<section id='{name}'>" in page for name in SECTIONS)
+        assert page.count("data:image/png;base64,") == len(SECTIONS) - 3  # no eval, MFU null on CPU, config
 
 
 def test_tensor_parallel_trainer_under_torchrun(tiny_models, tmp_path) -> None:
@@ -93,6 +143,7 @@ def test_tensor_parallel_trainer_under_torchrun(tiny_models, tmp_path) -> None:
                        "trainer.total_steps=2", "trainer.version_check_interval=1"), nproc=2, timeout=900)
     rows = metrics(run_dir)
     assert [r["version"] for r in rows] == [1, 2]
+    assert not [f for f in os.listdir(run_dir) if f.startswith("trace")]  # logging.trace is off by default
     assert all(r["train_infer_logprob_diff"] <= 1e-4 for r in rows if r.get("train_infer_logprob_diff") is not None)
     # the labelled-version check on a sharded trainer: weights swapped per rank, the forward collective
     assert all(r["mismatch_labelled_tokens"] > 0 and r["mismatch_labelled_max"] <= 1e-5 for r in rows), rows
@@ -111,6 +162,8 @@ def test_rollout_only_dump_replays_in_train_only(tiny_models, tmp_path) -> None:
     run(small_run(tiny_models["llama"], run_dir, "trainer.mode=train_only", f"trainer.replay_path={dump}",
                        "trainer.total_steps=2"), timeout=600)
     assert [r["version"] for r in metrics(run_dir)] == [1, 2]
+    for d in (run_dir, str(tmp_path / "ro")):  # logging.trace off: nothing written
+        assert not [f for f in os.listdir(d) if f.startswith("trace")], os.listdir(d)
 
 
 def test_missing_dataset_fails_naming_the_key(tiny_models, tmp_path) -> None:
@@ -122,14 +175,26 @@ def test_missing_dataset_fails_naming_the_key(tiny_models, tmp_path) -> None:
 
 def test_pause_mode_abort_resumes_and_a_raising_reward_is_counted(tiny_models, tmp_path) -> None:
     run_dir = str(tmp_path / "abort")
+    # loss.prox_logprobs=approximate: π_prox from the training forward on resumed samples (tokens of two versions)
     run(small_run(tiny_models["llama"], run_dir, "rollout.pause_mode=abort", "async_rl.alpha=1",
                   "rollout.reward=tests.e2e.toy_rewards:flaky_digit_fraction", "trainer.total_steps=6",
-                  "rollout.max_new_tokens=24", "trainer.max_seq_len=40"), timeout=600)
+                  "rollout.max_new_tokens=24", "trainer.max_seq_len=40", "logging.trace=true",
+                  "loss.prox_logprobs=approximate"), timeout=600)
     rows = metrics(run_dir)
     assert [r["version"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert all(r["staleness_max"] <= 1 for r in rows)
     assert rows[-1]["reward_failed"] > 0  # the toy reward raised for some samples; the run went on
     assert sum(r["rollout_resumes"] for r in rows) > 0  # pushes aborted requests; they resumed
+    with open(os.path.join(run_dir, "trace.json")) as f:  # and the timeline shows them as such
+        spans = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+    aborted = [e for e in spans if e["name"] == "request abort"]
+    resumed = [e for e in spans if e["name"].startswith("resumed request")]
+    assert aborted and resumed and all(e["args"]["resume"] >= 1 for e in resumed)
+    def sample(e: dict) -> str:  # rid g{group}-s{sample}-r{resume}
+        return e["args"]["rid"].rsplit("-r", 1)[0]
+
+    assert {sample(e) for e in resumed} <= {sample(e) for e in aborted}  # each continues an aborted request
+    assert any(e["name"] == "reward" and "error" not in e["args"] and e["args"].get("failed") for e in spans)
 
 
 def test_engines_down_stops_with_a_clear_error_and_saves(tiny_models, tmp_path) -> None:

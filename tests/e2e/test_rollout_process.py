@@ -4,13 +4,16 @@ their own, the trainer taking whole groups over a pipe. The semantics are the th
 1. α = 1 run, SIGTERM after a few steps (the pre-emption path takes the checkpoint snapshot from the
    rollout process, which ignores the signal itself), then resumed, again with the process runner, to
    the end: every step once, no prompt trained twice, staleness ≤ α on every row, the sample accounting
-   identity on every row, no rollout process left after either run.
+   identity on every row, no rollout process left after either run. Both runs write their timeline
+   (logging.trace): the rollout process's request spans reach the trainer's trace.json, and the resumed
+   run writes trace-1.json beside it instead of overwriting it: every step appears exactly once.
 2. The rollout process SIGKILLed mid-run: the trainer stops within its deadline with an error naming
    the process and its exit code, saves the weights it reached, and leaves no engine behind.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -56,7 +59,8 @@ def test_process_runner_keeps_alpha_accounting_preemption_and_resume(tiny_models
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "PYTHONWARNINGS": "ignore"}
     log_path = tmp_path / "first.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(command(tiny_models["llama"], run_dir, free_ports(1), "trainer.total_steps=1000"),
+        proc = subprocess.Popen(command(tiny_models["llama"], run_dir, free_ports(1), "trainer.total_steps=1000",
+                                        "logging.trace=true"),
                                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 180
@@ -71,8 +75,8 @@ def test_process_runner_keeps_alpha_accounting_preemption_and_resume(tiny_models
     assert "stopping on SIGTERM" in first and gone(rollout_pid(first))
     saved = len(rows(os.path.join(run_dir, "metrics.jsonl")))
 
-    resumed = subprocess.run(command(tiny_models["llama"], run_dir, free_ports(1)), cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(command(tiny_models["llama"], run_dir, free_ports(1), "logging.trace=true"), cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=300)
     second = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, second[-3000:]
     assert "resumed from" in second and gone(rollout_pid(second))
@@ -86,6 +90,15 @@ def test_process_runner_keeps_alpha_accounting_preemption_and_resume(tiny_models
     for r in table:
         assert r["samples_admitted"] == r["samples_trained"] + r["samples_outstanding"] + sum(r[k] for k in DROPS), r
     assert table[-1]["samples_trained"] == STEPS * PROMPTS_PER_STEP * N
+    steps = []
+    for name in ("trace.json", "trace-1.json"):
+        with open(os.path.join(run_dir, name)) as f:
+            events = json.load(f)["traceEvents"]
+        tracks = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+        assert any(tracks[e["pid"]] == "engine 0" and e["ph"] == "X" for e in events), name  # from the process
+        assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+        steps += [int(e["name"].split()[1]) for e in events if e["ph"] == "X" and e["name"].startswith("step ")]
+    assert sorted(steps) == list(range(STEPS))
 
 
 def test_a_killed_rollout_process_stops_the_run_naming_it(tiny_models, tmp_path) -> None:

@@ -1,9 +1,9 @@
-"""The fault tier, training side: NaN logits in a real run (trainer + local engine). With a learning
-rate of 1e30 the first optimizer step has finite gradients (so the non-finite-gradient guard lets it
-through) but leaves weights of ~1e30, whose logits overflow: NaN. The post-sync probe must see the
-trainer's own logprobs non-finite and stop the run at that first push, naming the cause, with the
-weights saved under the version they are (hf_at_stop_v1), no engine left, and no sample trained on
-them. An isolated poisoned batch (NaN gradient: the update skipped, the next batch trains) and
+"""The fault tier, training side: blown-up weights in a real run (trainer + local engine). With a
+learning rate of 1e30 the first optimizer step has finite gradients (so the non-finite-gradient guard
+lets it through) but leaves weights of ~1e30, whose logits would overflow: NaN. The trainer's check of
+its own weights after the step (trainer/weight_health.py) must stop the run before that first push,
+naming the cause, with the weights saved under the version they are (hf_at_stop_v1), no engine left,
+and no sample trained on them. An isolated poisoned batch (NaN gradient: the update skipped, the next batch trains) and
 trainer.max_nonfinite_steps in a row (the run stops, the batch dumped) go through the real Megatron
 trainer in tests/distributed/test_nonfinite.py.
 """
@@ -19,7 +19,7 @@ from megatron_flash.ports import free_ports
 from tests.conftest import REPO
 
 
-def test_nan_logits_after_a_blown_up_update_stop_the_run_at_the_push(tiny_models, tmp_path) -> None:
+def test_weights_blown_up_by_a_finite_update_stop_the_run_before_the_push(tiny_models, tmp_path) -> None:
     from tests.e2e.test_resume import assert_no_orphan
 
     run_dir = str(tmp_path / "run")
@@ -34,14 +34,17 @@ def test_nan_logits_after_a_blown_up_update_stop_the_run_at_the_push(tiny_models
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
-    assert "the trainer's own weights give non-finite logprobs" in out, out[-3000:]
+    assert "the optimizer step at policy version 0 left non-finite weights" in out, out[-3000:]
+    assert "the engines still serve version 0" in out and "post-sync probe" not in out, out[-3000:]
     assert_no_orphan(port)
-    # Stopped at the first push: no step was logged, nothing trained on the NaN policy's samples.
+    logged = [line for line in out.splitlines() if " megatron_flash." in line]  # the controller's log lines
+    assert logged and "loss tis: ratio ρ = π_θ/μ" in logged[0] and "async_rl.alpha=1" in logged[0], logged[:3]
+    # Stopped before the first push: no step was logged, nothing trained on the NaN policy's samples.
     metrics = os.path.join(run_dir, "metrics.jsonl")
     assert not os.path.exists(metrics) or not open(metrics).read().strip()
     assert [d for d in os.listdir(run_dir) if d.startswith("hf_at_stop_v")] == ["hf_at_stop_v1"]
     print(f"stopped {time.monotonic() - t0:.0f} s after start: "
-          f"{next(x for x in out.splitlines() if 'non-finite logprobs' in x)[:200]}")
+          f"{next(x for x in out.splitlines() if 'left non-finite weights' in x)[:200]}")
 
 
 def test_a_filter_that_keeps_nothing_stops_the_run_at_its_deadline_saying_where_samples_went(tiny_models,

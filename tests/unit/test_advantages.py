@@ -77,3 +77,22 @@ def test_unknown_estimator_lists_names():
 def test_bad_inputs(rewards, groups, kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         compute_advantages("grpo", rewards=rewards, group_ids=groups, **kwargs)
+
+
+@pytest.mark.parametrize("reward", [1e308, -1e31, float("inf"), float("nan")])
+def test_a_reward_beyond_the_limit_is_refused_not_zeroed(reward):
+    # 1e308 is finite, but a group's sum of two overflows: its advantages used to come out 0
+    with pytest.raises(ValueError, match=r"rewards must be finite and within ±1e\+30 \(types.REWARD_LIMIT\): "
+                                         r"1 of 3 are not, e.g. reward\[1\] = .* \(group 4\)"):
+        adv("grpo", [1.0, reward, 0.0], [3, 4, 4])
+
+
+def test_rewards_at_the_limit_keep_their_signal_in_float32():
+    # float32 squares of 1e30 overflow (max 3.4e38); the statistics are taken in float64 instead.
+    # group [1e30, -1e30]: mean 0, population std 1e30 → normalised [1, -1]; unnormalised ±1e30
+    rewards = torch.tensor([1e30, -1e30, 3.0, 5.0], dtype=torch.float32)
+    groups = torch.tensor([0, 0, 1, 1])
+    out = compute_advantages("grpo", rewards=rewards, group_ids=groups, eps=0.0)
+    assert out.dtype == torch.float32 and out.tolist() == [1.0, -1.0, -1.0, 1.0]
+    raw = compute_advantages("grpo", rewards=rewards, group_ids=groups, std_normalize=False)
+    assert raw.tolist() == pytest.approx([1e30, -1e30, -1.0, 1.0], rel=1e-6)

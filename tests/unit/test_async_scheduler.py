@@ -276,6 +276,33 @@ def test_filter_and_failed_rewards_are_dropped_counted_and_refilled() -> None:
     assert h.staleness.take_drop_lengths() == {}  # a window: taken once
 
 
+class OverflowingRewards(Rewards):
+    """Every 5th call returns a finite but overflowing reward (not a failure the pool reports)."""
+
+    async def score(self, text: str, answer: str, *, finished: bool, prompt: str = "", meta: Any = None) -> Any:
+        self.calls += 1
+        reward = 1e308 if self.calls % 5 == 0 else float(self.calls % 2)
+        return SimpleNamespace(reward=reward, failed=False, error="")
+
+
+def test_an_overflowing_reward_drops_its_group_counted_never_trained(caplog) -> None:
+    from megatron_flash.types import REWARD_LIMIT
+
+    h = start(alpha=1, batch=8, n=2, proxy=FakeProxy(lambda rid: 0.001), rewards=OverflowingRewards())
+    with caplog.at_level("WARNING", logger="megatron_flash.rollout.filters"):
+        taken = train(h, 4, batch=8, alpha=1)
+    assert all(abs(s.reward) <= 1 for gs in taken for g in gs for s in g.samples)
+    calls, stats, c = h.scheduler.reward_pool.calls, h.scheduler.stats, h.staleness.snapshot()
+    # every 5th of the scored samples overflowed (a group's two samples are scored before it is judged)
+    assert stats.reward_overflow >= 4 and stats.reward_overflow <= calls // 5
+    assert stats.reward_failures == stats.reward_overflow  # nothing else failed
+    # each overflowing sample takes its whole group (2 samples) into reward_failed; identity of the row
+    assert stats.reward_overflow <= c.dropped_failed <= 2 * stats.reward_overflow and c.dropped_failed % 2 == 0
+    assert c.submitted == (c.consumed + c.outstanding + c.dropped_stale + c.regenerated_stale + c.dropped_filtered
+                           + c.dropped_failed + c.dropped_error + c.skipped + c.cancelled)
+    assert any("1e+308" in r.getMessage() and f"{REWARD_LIMIT:g}" in r.getMessage() for r in caplog.records)
+
+
 def test_length_bias_metrics_hand_values() -> None:
     from types import SimpleNamespace
 
@@ -485,3 +512,21 @@ def test_a_prompt_that_keeps_failing_is_retried_a_bounded_number_of_times_then_s
     assert h.staleness.counters.skipped == 2 * len(skipped)
     assert stats.engine_errors == sum(len(g) for g in groups_of.values())
     assert all(p in h.scheduler._refused for p in skipped)  # never drawn again
+
+
+def test_a_duplicate_request_id_refusal_is_transient_not_the_prompts_fault() -> None:
+    """After a timeout the proxy re-sends the same rid; an engine still running the first copy refuses
+    it as a duplicate (SGLang: HTTP 400). That says nothing about the prompt: the group is retried,
+    not skipped, unlike a refusal of the prompt itself."""
+    from megatron_flash.engines.client import EngineHTTPError
+    from megatron_flash.rollout.scheduler import deterministic_refusal
+
+    duplicate = EngineHTTPError("http://e:1", "/generate", 400,
+                                '{"error":{"message":"Duplicate request ID detected: g8-s7-r0"}}')
+    too_long = EngineHTTPError("http://e:1", "/generate", 400, '{"error":{"message":"input is longer than the context"}}')
+    assert deterministic_refusal(duplicate) is None
+    assert deterministic_refusal(too_long) is too_long
+    try:
+        raise RuntimeError("group failed") from duplicate
+    except RuntimeError as wrapped:
+        assert deterministic_refusal(wrapped) is None

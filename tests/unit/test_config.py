@@ -50,7 +50,7 @@ CONTRACT = {
     "optimizer.weight_decay": 0.0, "optimizer.adam_beta1": 0.9, "optimizer.adam_beta2": 0.999,
     "optimizer.adam_eps": 1e-8, "optimizer.clip_grad": 1.0, "optimizer.lr_warmup_steps": 0,
     "optimizer.lr_decay_style": "constant", "optimizer.use_distributed_optimizer": False,
-    "loss.name": "ppo", "loss.params": {}, "loss.aggregation": "token_mean", "loss.advantage": "grpo",
+    "loss.name": "decoupled_ppo", "loss.params": {}, "loss.aggregation": "token_mean", "loss.advantage": "grpo",
     "loss.advantage_std_normalize": True, "loss.kl_coef": 0.0, "loss.kl_estimator": "k3",
     "rollout.n_samples_per_prompt": 8, "rollout.temperature": 1.0, "rollout.top_p": 1.0,
     "rollout.top_k": -1, "rollout.max_new_tokens": 256, "rollout.prompt_replication": True,

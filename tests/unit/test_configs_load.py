@@ -98,11 +98,13 @@ _HAS_LOSSES = (importlib.util.find_spec("torch") is not None
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=IDS)
 def test_config_loss_builds(path: Path) -> None:
     # loss.params pass verbatim to the loss factory: a misspelled parameter must fail here, not
-    # an hour into a GPU job.
+    # an hour into a GPU job; nor may a loss without behaviour correction meet stale samples.
+    from megatron_flash.controller.assembly import check_loss
     from megatron_flash.losses import get_loss
 
     cfg = load_config(path, [])
-    get_loss(cfg.loss.name, **cfg.loss.params, kl_coef=cfg.loss.kl_coef, kl_estimator=cfg.loss.kl_estimator)
+    loss = get_loss(cfg.loss.name, **cfg.loss.params, kl_coef=cfg.loss.kl_coef, kl_estimator=cfg.loss.kl_estimator)
+    check_loss(cfg, loss)
 
 
 @pytest.mark.skipif(not _HAS_LOSSES, reason="needs torch and megatron_flash.losses")

@@ -7,7 +7,9 @@ Written from the formula (docs/losses.md), not from the code:
     L_i     = −min(s_i A_i, clip(s_i, 1−ε_low, 1+ε_high) A_i)      on every trained token of i
     d(Σ_t L_t)/d lp_t' = n_i · dL_i/d lp_t' = −A_i s_i m_t'   (unclipped branch, inside the clamp), else 0
 
-m is the response mask after mismatch masking (token mode: keep 0.8 ≤ exp(old − μ) ≤ 1.25).
+m is the response mask after mismatch masking (token mode: keep 0.8 ≤ exp(old − μ) ≤ 1.25). With the
+behaviour weight (behavior_weight="sequence", the default) every L_i and its gradient are multiplied by
+the constant w_i = min(exp(Σ_t m_t (old_t − μ_t) / Σ_t m_t), cap).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def inputs(seed: int, spread: float) -> dict[str, torch.Tensor]:
     return dict(logprobs=lp, proximal_logprobs=old, behavior_logprobs=behavior, advantages=adv, loss_mask=mask)
 
 
-def reference(x: dict[str, torch.Tensor], eps_low: float, eps_high: float, mismatch: bool):
+def reference(x: dict[str, torch.Tensor], eps_low: float, eps_high: float, mismatch: bool, cap: float | None = None):
+    """cap None: the paper's formula (behavior_weight="none"); else the truncated sequence weight."""
     lp, old, mu = x["logprobs"].tolist(), x["proximal_logprobs"].tolist(), x["behavior_logprobs"].tolist()
     adv, mask = x["advantages"].tolist(), x["loss_mask"].tolist()
     loss = [[0.0] * T for _ in range(B)]
@@ -49,30 +52,36 @@ def reference(x: dict[str, torch.Tensor], eps_low: float, eps_high: float, misma
         log_s = sum(m[t] * (lp[i][t] - old[i][t]) for t in range(T)) / n
         s = math.exp(min(max(log_s, -20.0), 20.0))
         a = sum(m[t] * adv[i][t] for t in range(T)) / n
+        w = 1.0 if cap is None else min(math.exp(sum(m[t] * (old[i][t] - mu[i][t]) for t in range(T)) / n), cap)
+        clipped["capped"] = clipped.get("capped", 0) + (cap is not None and w == cap)
         sc = min(max(s, 1 - eps_low), 1 + eps_high)
         unclipped = s * a <= sc * a
-        value = -(s * a) if unclipped else -(sc * a)
+        value = w * (-(s * a) if unclipped else -(sc * a))
         if not unclipped:
             clipped["low" if s < 1 - eps_low else "high"] += 1
         for t in range(T):
             if m[t]:
                 loss[i][t] = value
-                grad[i][t] = -a * s if unclipped and -20 < log_s < 20 else 0.0
+                grad[i][t] = -w * a * s if unclipped and -20 < log_s < 20 else 0.0
     return loss, grad, clipped
 
 
+@pytest.mark.parametrize("cap", [None, 2.0, 1.02])
 @pytest.mark.parametrize("mismatch", [False, True])
 @pytest.mark.parametrize("eps_low,eps_high,spread", [(3e-4, 4e-4, 0.05), (0.1, 0.2, 0.3), (0.2, 0.28, 1e-5)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_values_gradients_and_clip_fractions_match_the_reference(seed, eps_low, eps_high, spread, mismatch):
+def test_values_gradients_and_clip_fractions_match_the_reference(seed, eps_low, eps_high, spread, mismatch, cap):
     x = inputs(seed, spread)
     params = {"eps_low": eps_low, "eps_high": eps_high}
+    params.update({"behavior_weight": "none"} if cap is None else {"weight_cap": cap})
     if mismatch:
         params.update(mismatch_mask="token", mismatch_low=0.8, mismatch_high=1.25)
     lp = x["logprobs"].clone().requires_grad_(True)
     per_token, metrics = get_loss("gspo", **params)(**{**x, "logprobs": lp})
     per_token.sum().backward()
-    want_loss, want_grad, clipped = reference(x, eps_low, eps_high, mismatch)
+    want_loss, want_grad, clipped = reference(x, eps_low, eps_high, mismatch, cap)
+    if cap is not None:
+        assert metrics["seq_is_capped_frac"].item() == pytest.approx(clipped["capped"] / clipped["seqs"])
     torch.testing.assert_close(per_token.detach(), torch.tensor(want_loss, dtype=torch.float64), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(lp.grad, torch.tensor(want_grad, dtype=torch.float64), rtol=1e-10, atol=1e-12)
     assert metrics["clip_frac_seq_low"].item() == pytest.approx(clipped["low"] / clipped["seqs"])
@@ -84,7 +93,9 @@ def test_the_cases_clip_both_sides_and_leave_some_unclipped():
     seen = {"low": 0, "high": 0, "open": 0}
     for seed in (0, 1):
         for eps_low, eps_high, spread in [(3e-4, 4e-4, 0.05), (0.1, 0.2, 0.3), (0.2, 0.28, 1e-5)]:
-            _, grad, clipped = reference(inputs(seed, spread), eps_low, eps_high, False)
+            _, grad, clipped = reference(inputs(seed, spread), eps_low, eps_high, False, 1.02)
+            seen["capped"] = seen.get("capped", 0) + clipped["capped"]
+            seen["uncapped"] = seen.get("uncapped", 0) + clipped["seqs"] - clipped["capped"]
             seen["low"] += clipped["low"]
             seen["high"] += clipped["high"]
             seen["open"] += clipped["seqs"] - clipped["low"] - clipped["high"]
@@ -95,7 +106,7 @@ def test_with_seq_mean_token_mean_the_objective_is_the_mean_over_sequences():
     x = inputs(3, 0.3)
     per_token, _ = get_loss("gspo", eps_low=0.1, eps_high=0.2)(**x)
     loss_sum, denominator = aggregate(per_token, x["loss_mask"], mode="seq_mean_token_mean")
-    want, _, clipped = reference(x, 0.1, 0.2, False)
+    want, _, clipped = reference(x, 0.1, 0.2, False, 1.0)
     per_seq = [next((v for v in row if v != 0.0), 0.0) for row in want]
     assert denominator.item() == clipped["seqs"] == B - 1
     assert (loss_sum / denominator).item() == pytest.approx(sum(per_seq) / clipped["seqs"], rel=1e-12)
@@ -106,3 +117,12 @@ def test_gspo_reads_the_proximal_policy_and_defaults_to_the_papers_clip():
     assert loss.needs_proximal and loss.params["eps_low"] == 3e-4 and loss.params["eps_high"] == 4e-4
     with pytest.raises(ValueError, match="eps_low"):
         get_loss("gspo", eps_low=1.5)
+
+
+def test_behaviour_weight_is_the_default_and_the_paper_form_is_on_policy():
+    assert get_loss("gspo").params["behavior_weight"] == "sequence" and not get_loss("gspo").on_policy
+    assert get_loss("gspo", behavior_weight="none").on_policy
+    with pytest.raises(ValueError, match="behavior_weight"):
+        get_loss("gspo", behavior_weight="token")
+    with pytest.raises(ValueError, match="weight_cap"):
+        get_loss("gspo", weight_cap=0.0)

@@ -62,3 +62,57 @@ def test_the_launcher_reports_a_missing_model_as_a_config_error(tmp_path) -> Non
                           "model.hf_path=someone/not-there", "data.task=sort4"],
                          capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
     assert out.returncode != 0 and "model.hf_path='someone/not-there'" in out.stderr, out.stderr[-2000:]
+
+
+def dataset_cache(root, repo_id: str) -> str:
+    """A Hub dataset repository in the cache layout (datasets--org--name), two parquet splits."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    repo = os.path.join(root, "datasets--" + repo_id.replace("/", "--"))
+    snapshot = os.path.join(repo, "snapshots", REVISION)
+    os.makedirs(os.path.join(snapshot, "data"))
+    os.makedirs(os.path.join(repo, "refs"))
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write(REVISION)
+    for split, rows in (("train", [("What is 1 + 2?", "3"), ("What is 4 + 4?", "8")]), ("test", [("What is 9 + 1?", "10")])):
+        table = pa.table({"question": [q for q, _ in rows], "answer": [a for _, a in rows]})
+        pq.write_table(table, os.path.join(snapshot, "data", f"{split}-00000-of-00001.parquet"))
+    return snapshot
+
+
+class CharTokenizer:
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_a_cached_hub_dataset_loads_offline_with_its_split(tmp_path) -> None:
+    snapshot = dataset_cache(tmp_path / "hub", "someone/arith-qa")
+    code = ("import sys; from megatron_flash.hf.hub import resolve_dataset_path\n"
+            "try:\n    print(resolve_dataset_path(sys.argv[1]))\nexcept ValueError as e:\n    print('ERR', e)")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": REPO}
+    out = subprocess.run([sys.executable, "-c", code, "someone/arith-qa"], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert os.path.realpath(out.stdout.strip()) == os.path.realpath(snapshot), out.stdout + out.stderr
+    miss = subprocess.run([sys.executable, "-c", code, "someone/absent"], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert miss.stdout.startswith("ERR data.path='someone/absent'") and "HF_HUB_OFFLINE=1" in miss.stdout
+
+    from megatron_flash.config.schema import DataConfig
+    from megatron_flash.rollout.dataset import PromptDataset
+
+    test = PromptDataset.from_config(DataConfig(path=snapshot, split="test", prompt_key="question", shuffle=False),
+                                     CharTokenizer(), seed=0)
+    assert [(p.text, p.answer) for p in test.prompts] == [("What is 9 + 1?", "10")]
+    train = PromptDataset.from_config(DataConfig(path=snapshot, prompt_key="question", shuffle=False),
+                                      CharTokenizer(), seed=0)
+    assert [p.answer for p in train.prompts] == ["3", "8"]
+
+
+def test_a_split_other_than_train_is_refused_for_a_single_file(tmp_path) -> None:
+    import pytest
+
+    from megatron_flash.config import load_config
+
+    with pytest.raises(ValueError, match="data.split='test'"):
+        load_config(None, [f"data.path={tmp_path}/p.jsonl", "data.split=test"])

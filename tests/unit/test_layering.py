@@ -7,20 +7,21 @@
   ports        —                                                    no
   named        — (the "registered name or module:attr" rule)        no
   counters     — (metrics windows)                                  no
+  trace        — (the run's timeline and request activity)          no
   planner      —                                                    no
   recipes      types (per-step batch shaping and diagnostics)       no
-  tracking     config                                               no
+  tracking     config, trace                                        no
   losses       types                                                no
-  rewards      named, types                                         no
-  buffer       types                                                no
+  rewards      named, trace, types                                  no
+  buffer       trace, types                                         no
   engines      ports, types                                         no
   hf           —                                                    yes
   rollout      buffer, config, counters, engines, named, rewards,   no
-               types
+               trace, types
   agentic      config, counters, engines, named, ports, rewards,    no
-               rollout, types
+               rollout, trace, types
   trainer      config, hf, losses, ports, types                     yes
-  weight_sync  engines, hf, ports, types                            no
+  weight_sync  engines, hf, ports, trace, types                     no
   controller   every package above                                  no
 
 So: nothing imports launch/, tools/ or benchmarks/; only trainer/ and hf/ touch Megatron; rollout/
@@ -46,17 +47,17 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_flash"
 ALLOWED: dict[str, set[str]] = {
     "config": set(), "types": set(), "ports": set(), "named": set(), "counters": set(), "planner": set(),
-    "recipes": {"types"},
-    "tracking": {"config"}, "losses": {"types"}, "rewards": {"named", "types"}, "buffer": {"types"},
-    "engines": {"ports", "types"}, "hf": set(),
-    "rollout": {"buffer", "config", "counters", "engines", "named", "rewards", "types"},
-    "agentic": {"config", "counters", "engines", "named", "ports", "rewards", "rollout", "types"},
+    "trace": set(), "recipes": {"types"},
+    "tracking": {"config", "trace"}, "losses": {"types"}, "rewards": {"named", "trace", "types"},
+    "buffer": {"trace", "types"}, "engines": {"ports", "types"}, "hf": set(),
+    "rollout": {"buffer", "config", "counters", "engines", "named", "rewards", "trace", "types"},
+    "agentic": {"config", "counters", "engines", "named", "ports", "rewards", "rollout", "trace", "types"},
     "trainer": {"config", "hf", "losses", "ports", "types"},
-    "weight_sync": {"engines", "hf", "ports", "types"},
+    "weight_sync": {"engines", "hf", "ports", "trace", "types"},
 }
 ALLOWED["controller"] = set(ALLOWED)
 LAYERS: list[tuple[str, ...]] = [  # lowest first
-    ("config", "types", "ports", "named", "counters", "planner", "hf"),
+    ("config", "types", "ports", "named", "counters", "trace", "planner", "hf"),
     ("recipes", "tracking", "losses", "rewards", "buffer", "engines"),
     ("rollout", "trainer", "weight_sync"),
     ("agentic",),

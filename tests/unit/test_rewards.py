@@ -168,12 +168,34 @@ def test_inline_pool(user_module) -> None:
         assert [o.failed for o in outcomes] == [True, True, True]
         assert "nan" in outcomes[0].error and "'1.0'" in outcomes[1].error and "None" in outcomes[2].error
 
-    # inline cannot interrupt a slow reward, but one past the limit still counts as failed
-    with RewardPool(f"{user_module}:sleepy", timeout_s=0.05) as pool:
+
+
+def test_inline_deadline_fails_a_hung_reward_on_time_and_carries_on(user_module) -> None:
+    with RewardPool(f"{user_module}:sleepy", timeout_s=1.0) as pool:
         assert asyncio.run(pool.score("x", "0", finished=True)) == RewardOutcome(1.0, False)
-        slow = asyncio.run(pool.score("x", "0.2", finished=True))
-        assert slow.failed and slow.reward == 0.0 and "timed out" in slow.error
-        assert (pool.num_scored, pool.num_failed) == (2, 1)
+        start = time.monotonic()
+        stuck = asyncio.run(pool.score("x", "60", finished=True))
+        assert time.monotonic() - start < 15  # the reward would sleep 60 s
+        assert stuck.failed and stuck.reward == 0.0 and "timed out after 1.0 s" in stuck.error
+        assert pool.num_abandoned == 1
+        # a fresh thread scores the next sample normally
+        assert asyncio.run(pool.score("x", "0", finished=True)) == RewardOutcome(1.0, False)
+        assert (pool.num_scored, pool.num_failed) == (3, 1)
+
+
+def test_inline_deadline_counts_from_each_calls_start_not_its_place_in_the_queue(user_module) -> None:
+    async def together(pool: RewardPool, answers: list[str]) -> list[RewardOutcome]:
+        return list(await asyncio.gather(*(pool.score("x", a, finished=True) for a in answers)))
+
+    with RewardPool(f"{user_module}:sleepy", timeout_s=1.5) as pool:
+        # one at a time: the third starts ~1.2 s after it was submitted, and takes 0.6 s of its own
+        start = time.monotonic()
+        outcomes = asyncio.run(together(pool, ["0.6", "0.6", "0.6"]))
+        assert outcomes == [RewardOutcome(1.0, False)] * 3 and time.monotonic() - start >= 1.8
+        # the calls queued behind a hung one run on the thread that replaces it
+        outcomes = asyncio.run(together(pool, ["60", "0", "0"]))
+        assert outcomes[0].failed and "timed out" in outcomes[0].error
+        assert outcomes[1:] == [RewardOutcome(1.0, False)] * 2 and pool.num_abandoned == 1
 
 
 def test_worker_pool(user_module) -> None:

@@ -28,7 +28,7 @@ def test_parse_drops_sglangs_leading_null_and_checks_ids() -> None:
     assert probe.parse_continuation_logprobs(_reply(tokens, 3, values), tokens, 3, url="u") == values
     bad = _reply(tokens, 3, values)
     bad[1]["meta_info"]["input_token_logprobs"][2][1] += 1
-    with pytest.raises(ValueError, match="sequence 1: input_token_logprobs are for ids"):
+    with pytest.raises(ValueError, match="sequence 1: .*input_token_logprobs.*scores ids"):
         probe.parse_continuation_logprobs(bad, tokens, 3, url="u")
     short = _reply(tokens, 3, values)
     short[0]["meta_info"]["input_token_logprobs"].pop()

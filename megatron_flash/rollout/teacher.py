@@ -1,0 +1,57 @@
+"""On-policy distillation's teacher on the rollout side (`distill.teacher`).
+
+The student samples its own response; the moment it ends (beside its reward), the teacher engines
+score exactly those tokens, teacher-forced: one `/generate` with `return_logprob`, `logprob_start_len`
+= prompt length − 1 and no new tokens worth keeping (SGLang's prompt-logprob scoring), sent through
+an `LLMProxy` of the teacher engines, so retries, health and take-outs are the student proxy's. The
+logprobs travel with the sample (`Sample.teacher_logprobs`) through the buffer, dumps and checkpoints;
+the trainer turns them into the advantage (recipes.distill_advantages).
+
+    prompt p_1..p_P, response y_1..y_R  →  send p_1..p_P y_1..y_R, logprob_start_len = P − 1
+    ←  input_token_logprobs for positions P−1 … P+R−1: the first is null (no logits before it), the
+       rest are log π_teacher(y_t | p, y_<t), t = 1..R
+
+Teacher and student must share a tokenizer (`check_same_tokenizer`): the teacher scores the
+student's token ids as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+class TeacherScorer:
+    """`await logprobs(prompt_ids, response_ids)` → log π_teacher of each response token."""
+
+    def __init__(self, proxy: Any) -> None:
+        self.proxy = proxy
+        self.requests = 0
+        self.tokens = 0
+
+    async def logprobs(self, prompt_ids: Sequence[int], response_ids: Sequence[int], *, rid: str) -> list[float]:
+        if not response_ids:
+            return []
+        values = await self.proxy.score(list(prompt_ids) + list(response_ids), start=len(prompt_ids), rid=rid)
+        if len(values) != len(response_ids):  # the proxy's parser checked the ids; this is a contract guard
+            raise RuntimeError(f"teacher scoring {rid}: {len(values)} logprobs for {len(response_ids)} tokens")
+        self.requests += 1
+        self.tokens += len(values)
+        return values
+
+
+def check_same_tokenizer(student: Any, teacher: Any, *, student_path: str, teacher_path: str) -> None:
+    """Refuse a teacher whose tokenizer maps any token differently (or has other special tokens):
+    it would score ids that mean something else to it. ValueError names both checkpoints."""
+    s_vocab, t_vocab = student.get_vocab(), teacher.get_vocab()
+    if s_vocab != t_vocab:
+        only_s = sorted(set(s_vocab.items()) - set(t_vocab.items()))[:3]
+        only_t = sorted(set(t_vocab.items()) - set(s_vocab.items()))[:3]
+        raise ValueError(
+            f"distill.teacher={teacher_path!r} does not share the student's tokenizer (model.hf_path="
+            f"{student_path!r}): vocabularies of {len(t_vocab)} and {len(s_vocab)} tokens differ, e.g. student "
+            f"{only_s} vs teacher {only_t}; on-policy distillation scores the student's token ids as they are")
+    for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if getattr(student, name, None) != getattr(teacher, name, None):
+            raise ValueError(
+                f"distill.teacher={teacher_path!r} and model.hf_path={student_path!r} have the same vocabulary but "
+                f"different {name} ({getattr(teacher, name, None)} vs {getattr(student, name, None)})")

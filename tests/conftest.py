@@ -30,6 +30,24 @@ def run_tool(args: list[str], *, nproc: int = 1, timeout: float = 300, check: bo
     return proc
 
 
+def json_rows(stdout: str) -> list[dict]:
+    """Every JSON object printed on `stdout`. Ranks of one torchrun share the pipe, so two ranks' rows can
+    land on one line (one rank's newline written after the other's row): objects are decoded one after
+    another wherever a line holds `{`, not one per line."""
+    decoder, rows = json.JSONDecoder(), []
+    for line in stdout.splitlines():
+        i = line.find("{")
+        while 0 <= i < len(line):
+            try:
+                obj, end = decoder.raw_decode(line, i)
+            except json.JSONDecodeError:
+                break
+            if isinstance(obj, dict):
+                rows.append(obj)
+            i = line.find("{", end)
+    return rows
+
+
 def memfd_links(pid: int | str = "self") -> list[str]:
     """The staged-ipc buffers (memfd `mf-weights-*`) a process holds open file descriptors to."""
     links = []

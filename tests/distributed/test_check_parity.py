@@ -6,11 +6,9 @@ each case builds its own policy and transformers model, as a launch of the tool 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.conftest import make_tiny_models
+from tests.conftest import json_rows, make_tiny_models
 from tests.distributed.grouped_cases import launch_grouped
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe"]
@@ -41,7 +39,7 @@ def parity(tiny_models, four_layer_models, tmp_path_factory) -> dict[str, dict]:
         cases[f"interleaved-{family}"] = (2, ["--hf-dir", four_layer_models[family], "--pp", "2", "--vpp", "2",
                                               "--pack"])
     stdout = launch_grouped("tests/distributed/parity_worker.py", cases, str(tmp_path_factory.mktemp("parity")))
-    results = {r["case"]: r for r in (json.loads(line) for line in stdout.splitlines() if line.startswith("{"))}
+    results = {r["case"]: r for r in json_rows(stdout)}
     assert sorted(results) == sorted(cases), stdout[-3000:]
     return results
 

@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.conftest import run_tool  # noqa: E402
+from tests.conftest import json_rows, run_tool  # noqa: E402
 
 SCRIPT = os.path.relpath(__file__, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 DEADLINE_S = 3.0
@@ -18,9 +18,9 @@ DEADLINE_S = 3.0
 
 def test_a_rank_that_never_arrives_fails_the_others_at_the_deadline() -> None:
     proc = run_tool([SCRIPT], nproc=2, timeout=120, check=False)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    lines = json_rows(proc.stdout)
     assert lines, proc.stdout[-2000:] + proc.stderr[-3000:]
-    out = json.loads(lines[-1])
+    out = lines[-1]
     assert out["raised"] and DEADLINE_S <= out["seconds"] < 4 * DEADLINE_S, out
     assert "timed out" in out["message"].lower() or "timeout" in out["message"].lower(), out
 

@@ -14,14 +14,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.conftest import run_tool  # noqa: E402
+from tests.conftest import json_rows, run_tool  # noqa: E402
 
 SCRIPT = os.path.relpath(__file__, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_chunked_logprobs_at_tp2_match_the_reference_and_tp1() -> None:
     proc = run_tool([SCRIPT], nproc=2, timeout=300)
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    lines = json_rows(proc.stdout)
     assert len(lines) == 4, proc.stdout[-2000:] + proc.stderr[-3000:]
     for out in lines:
         assert out["vs_reference_tp2"] <= 1e-6 and out["vs_tp1"] <= 1e-6, out

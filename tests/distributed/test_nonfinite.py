@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.conftest import run_tool  # noqa: E402
+from tests.conftest import json_rows, run_tool  # noqa: E402
 
 SCRIPT = os.path.relpath(__file__, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -33,7 +33,7 @@ def test_blown_up_weights_after_a_finite_update_are_flagged_on_every_rank(tiny_m
     bad on one rank only (inf, or finite 1e30) or on both (learning rate 1e30): every rank must report
     it, and a clean step must not."""
     proc = run_tool([SCRIPT, "--model-path", tiny_models["llama"], "--blow-up"], nproc=2)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = json_rows(proc.stdout)
     assert sorted(r["rank"] for r in rows) == [0, 1], proc.stdout[-2000:]
     for r in rows:
         assert r["clean"] == {"nonfinite_skipped": 0.0, "update_ok": 1.0, "weights_nonfinite": 0.0}, r

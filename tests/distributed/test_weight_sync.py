@@ -28,7 +28,7 @@ import json
 
 import pytest
 
-from tests.conftest import run_tool
+from tests.conftest import json_rows, run_tool
 
 TRANSPORTS = ("ipc", "broadcast", "disk")
 VERSION = 3  # the first transport's; the next ones sync VERSION + 1, VERSION + 2
@@ -55,7 +55,7 @@ def synced(tiny_models) -> dict[tuple[str, str], dict]:
                          "--num-engines", str(engines), "--version", str(VERSION)]
                         + [a for t in transports for a in ("--transport", t)],
                         nproc=nproc, timeout=300 + 100 * len(transports))
-        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        lines = json_rows(proc.stdout)
         assert [r["transport"] for r in lines] == list(transports), proc.stdout[-3000:]
         results.update({(run, r["transport"]): r for r in lines})
     return results

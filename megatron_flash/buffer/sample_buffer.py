@@ -101,10 +101,12 @@ class SampleBuffer:
         return sum(len(g) for g in evicted)
 
     def take_batch(self, num_samples: int, *, timeout_s: Optional[float] = None,
-                   poll_s: float = 0.5) -> list[Group]:
+                   poll_s: float = 0.5, wake: Optional[Callable[[], bool]] = None) -> Optional[list[Group]]:
         """Block until whole groups totalling exactly `num_samples` trainable samples are buffered
         and nothing expiring after this step is in flight; remove and return them (oldest start
-        version first). Raises TimeoutError after `timeout_s`, BufferClosed if the producer stopped."""
+        version first). Raises TimeoutError after `timeout_s`, BufferClosed if the producer stopped.
+        Returns None, taking nothing, when `wake()` (asked every `poll_s` while waiting) is true: the
+        trainer has something to do first (send restarted engines its weights, which this batch may need)."""
         entered = time.monotonic()
         deadline = None if timeout_s is None else entered + timeout_s
         with self._cond:
@@ -129,6 +131,8 @@ class SampleBuffer:
                     return picked
                 if self._is_closed:
                     raise BufferClosed("the rollout side stopped before a full batch was ready") from self._closed
+                if wake is not None and wake():
+                    return None
                 wait = poll_s if deadline is None else min(poll_s, deadline - time.monotonic())
                 if wait <= 0:
                     have = sum(len(g) for g in self._groups)

@@ -10,10 +10,13 @@ runtime, and what it learns (restarted engines) reaches the other ranks through 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_flash.trace import TRACER, TRAINER
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from megatron_flash.rollout.runtime import RolloutRuntime
@@ -27,6 +30,8 @@ class EngineHandoff:
         self.runtime = runtime if rank == 0 else None
         self.broadcast = broadcast
         self._release_metrics: dict[str, float] = {}
+        self._waiting_restarted: Any = ([], [])  # rank 0: engines restarted while the trainer waited
+        self._rejoined: dict[str, float] = {}  # their metrics, reported with the next push
 
     def release(self, version: int) -> None:
         """engines.colocate: engines free their memory for the trainer's step (no-op otherwise)."""
@@ -43,17 +48,13 @@ class EngineHandoff:
     def push(self, new_version: int) -> dict[str, float]:
         """Send the weights of `new_version` to every engine; the step's sync metrics (and the
         release's, when it ran). Without a bridge (train_only, rollout_only) only the time is kept."""
-        out: dict[str, float] = {}
+        out, self._rejoined = self._rejoined, {}
         if self.bridge is not None:
-            restarted: Any = ([], [])
             if self.runtime is not None:
-                restarted = self.runtime.take_restarted()
-            rejoin, restart_s = self.broadcast(restarted)
-            if rejoin:  # restarted engines hold the checkpoint's weights: this sync sends them everything
-                self.bridge.readmit(rejoin)
-                out["engines_restarted"] = len(rejoin)
-                out["engine_restart_s"] = max(restart_s) if restart_s else float("nan")
-            report = self.bridge.sync(new_version)
+                self._take_restarted()
+            restarted, self._waiting_restarted = self._waiting_restarted, ([], [])
+            self._readmit(self.broadcast(restarted), out)
+            report = self._sync(new_version, out)
             out["sync_gb"] = report.bytes_sent / 1e9
             out["engines_out_of_service"] = len(self.bridge.failed)
             out["engines_resynced"] = len(report.resynced_urls)
@@ -64,6 +65,66 @@ class EngineHandoff:
             if self.runtime is not None:
                 self.runtime.note_sync(new_version, {u: report.errors.get(u, "failed") for u in report.failed_urls})
         return out
+
+    def _take_restarted(self) -> None:
+        urls, seconds = self.runtime.take_restarted()
+        self._waiting_restarted = (self._waiting_restarted[0] + urls, self._waiting_restarted[1] + seconds)
+
+    def wake(self) -> Any:
+        """For the batch wait (SampleBuffer.take_batch): `restarted_while_waiting` where the rollout runs in
+        this process; None with rollout.runner=process, whose wait runs in the rollout process (a killed
+        only engine is then taken back by the push after the batch, if one comes)."""
+        return None if self.runtime is None or self.runtime.spawns else self.restarted_while_waiting
+
+    def restarted_while_waiting(self) -> bool:
+        """Rank 0, while the trainer waits for a batch: every engine it pushes to has come back since the
+        last push (one engine, killed). They hold the checkpoint's weights, so the proxy routes nothing
+        to them until they get the trainer's, and no batch can come before that: `rejoin` now. (With
+        another engine serving, the batch comes and the next push takes them back.)"""
+        if self.runtime is None or self.bridge is None:
+            return False
+        self._take_restarted()
+        back = self._waiting_restarted[0]
+        return bool(back) and all(u in back for u in self.bridge.urls)
+
+    def rejoin(self, version: int) -> None:
+        """Send the current weights (`version`, unchanged) to the engines `restarted_while_waiting` found,
+        and to them only. Collective: every rank, after rank 0's answer was broadcast."""
+        restarted = self.broadcast(self._waiting_restarted)
+        self._waiting_restarted = ([], [])
+        rejoin = restarted[0]
+        self._readmit(restarted, self._rejoined)
+        report = self._sync(version, self._rejoined, only=rejoin)
+        if self.runtime is not None:
+            self.runtime.note_sync(version, {u: report.errors.get(u, "failed") for u in report.failed_urls})
+        logger.info("engines restarted while the trainer waited for a batch got version %d: %s", version, rejoin)
+
+    def _readmit(self, restarted: Any, out: dict[str, float]) -> None:
+        rejoin, restart_s = restarted
+        if rejoin:  # restarted engines hold the checkpoint's weights: the next sync sends them everything
+            self.bridge.readmit(rejoin)
+            out["engines_restarted"] = out.get("engines_restarted", 0) + len(rejoin)
+            out["engine_restart_s"] = max(restart_s) if restart_s else float("nan")
+
+    def _sync(self, new_version: int, out: dict[str, float], only: Any = None) -> Any:
+        """bridge.sync; when it fails because no engine is left in service and one is coming back (a
+        launched engine being restarted, an attached one expected to answer again), wait for it (up to
+        engines.down_timeout_s, rank 0) and push again with it readmitted. Collective."""
+        from megatron_flash.weight_sync.report import WeightSyncError
+
+        while True:
+            try:
+                return self.bridge.sync(new_version, only=only)
+            except WeightSyncError as error:
+                back: Any = ([], [])
+                if self.runtime is not None and not self.bridge.fail_fast:
+                    logger.warning("%s; waiting for an engine to come back", error)
+                    back = self.runtime.wait_restarted(timeout_s=self.runtime.engines_cfg.down_timeout_s)
+                back = self.broadcast(back)
+                if not back[0]:
+                    raise
+                self._readmit(back, out)
+                only = None if only is None else [*only, *back[0]]
 
     def release_metrics(self) -> dict[str, float]:
         return dict(self._release_metrics)

@@ -97,6 +97,8 @@ class StepRecorder:
         m["rollout_resumes"] = stats.resumes
         m["engine_errors"] = stats.engine_errors
         m["reward_overflow"] = stats.reward_overflow  # samples beyond ±REWARD_LIMIT: within reward_failed
+        m["reward_errors"] = stats.reward_errors  # failed reward calls, per call (reward_failed: dropped samples)
+        m["reward_timeouts"] = stats.reward_timeouts
         m["skipped_prompts"] = stats.skipped_prompts  # refused (4xx) or failing past max_prompt_retries
         m["skipped_after_retries"] = stats.skipped_after_retries
         m["skipped_prompts_at_load"] = self.skipped_at_load  # could never fit the engines

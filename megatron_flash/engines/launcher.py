@@ -187,6 +187,7 @@ class EngineLauncher:
         """Indexes of engines that exited after max_restarts restarts (they stay down)."""
         self.restarts: List[Dict[str, Any]] = []
         """One entry per restart: index, url, exit_code, restart_s (noticed → healthy), ok."""
+        self._down: set[int] = set()  # noticed down and expected back (restarts left, or attached)
 
     @classmethod
     def from_config(cls, config: Any, *, model_path: str, run_dir: str, return_routed_experts: bool = False,
@@ -314,6 +315,7 @@ class EngineLauncher:
                     with self._lock:
                         self.restarts.append(entry)
                         self._restarted.append(spec.url)
+                        self._down.discard(i)
                     _log(f"engine {i} ({spec.url}) answers /health again after {entry['restart_s']:.1f} s: "
                          "it is synced and re-admitted at the next weight push")
                 if ok:
@@ -322,12 +324,25 @@ class EngineLauncher:
                 misses[i] += 1
                 if misses[i] == down_after and down_since[i] is None:
                     down_since[i] = time.monotonic()
+                    with self._lock:
+                        self._down.add(i)
                     reason = (f"engine {i} ({spec.url}) failed {down_after} /health probes in a row "
                               f"({probe_timeout_s:g} s each, every {interval_s:g} s)")
                     _log(f"{reason}; out of service until it answers again (attached: restarted, if at all, "
                          "where it was started)")
                     if on_down is not None:
                         on_down(spec.url, reason)
+
+    def coming_back(self) -> bool:
+        """An engine is down now and expected back: a launched one that exited with restarts left (noticed
+        by the supervisor or not yet), or an attached one that failed its probes and may answer again."""
+        with self._lock:
+            if self._down:
+                return True
+            if self.backend == "attach" or self._supervisor is None:  # nothing restarts a launched one
+                return False
+            return any(p is not None and p.poll() is not None and i not in self.gave_up
+                       for i, p in enumerate(self._procs))
 
     def take_restarted(self) -> List[str]:
         """URLs of engines restarted and healthy since the last call (they need the current weights)."""
@@ -346,10 +361,14 @@ class EngineLauncher:
                 if proc is None or proc.poll() is None or spec.index in self.gave_up:
                     continue
                 reason = f"engine {spec.index} ({spec.url}) exited with code {proc.returncode}"
+                with self._lock:
+                    self._down.add(spec.index)
                 if on_down is not None:
                     on_down(spec.url, reason)
                 if count[spec.index] >= max_restarts:
                     self.gave_up.append(spec.index)
+                    with self._lock:
+                        self._down.discard(spec.index)
                     _log(f"{reason}; it was restarted {count[spec.index]} times (engines.max_restarts): "
                          "it stays down")
                     continue
@@ -377,6 +396,7 @@ class EngineLauncher:
             self.restarts.append(entry)
             if entry["ok"]:
                 self._restarted.append(spec.url)
+                self._down.discard(spec.index)
         if entry["ok"]:
             _log(f"engine {spec.index} ({spec.url}) restarted: healthy after {entry['restart_s']:.1f} s")
         elif not self._stopping.is_set():

@@ -136,6 +136,8 @@ class RewardOutcome:
     reward: float
     failed: bool
     error: str = ""
+    timed_out: bool = False
+    """The call was still running at the pool's deadline (counted apart from errors: metric reward_timeouts)."""
 
 
 def _call(fn: RewardFn, name: str, response_text: str, answer: str, finished: bool, prompt: str,
@@ -330,7 +332,7 @@ class RewardPool:
                            "rollout.reward_workers > 0, whose processes are killed", self.name, self.timeout_s,
                            self.num_abandoned)
             return RewardOutcome(0.0, True, f"reward {self.name!r} timed out after {self.timeout_s} s "
-                                            "(inline thread abandoned)")
+                                            "(inline thread abandoned)", timed_out=True)
         return outcome
 
     def _warm_up(self, worker: _Worker) -> None:
@@ -358,7 +360,7 @@ class RewardPool:
             except concurrent.futures.TimeoutError:
                 worker.stop(kill=True)
                 return RewardOutcome(0.0, True, f"reward {self.name!r} timed out after {self.timeout_s} s "
-                                                "(worker process killed and replaced)")
+                                                "(worker process killed and replaced)", timed_out=True)
             except BrokenProcessPool as e:
                 worker.stop(kill=True)
                 return RewardOutcome(0.0, True, f"reward {self.name!r}: worker process died "

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_flash.buffer.sample_buffer import SampleBuffer
@@ -233,6 +234,27 @@ class RolloutRuntime:
         urls = self.launcher.take_restarted()
         seconds = [r["restart_s"] for r in self.launcher.restarts if r["ok"] and r["url"] in urls]
         return urls, seconds[-len(urls):] if urls else []
+
+    def wait_restarted(self, *, timeout_s: float) -> tuple[list[str], list[float]]:
+        """A weight push found no engine in service: wait until one that is down comes back (launched:
+        restarted by the supervisor; attached: answering again) and return it as `take_restarted` does;
+        ([], []) when none is down and expected back (after the time it takes to see one as down), or at
+        timeout_s. Without this, one killed engine of a single-engine run ended the run."""
+        if self.launcher is None:
+            return [], []
+        eng = self.engines_cfg
+        # Time to see an engine as down: an engine killed during the push can close its sockets (the
+        # push fails) before it has exited (the launcher sees it alive): the soak met that race.
+        notice_s = eng.attach_probe_interval_s * (eng.attach_probe_failures + 1) if eng.backend == "attach" else 2.0
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            back = self.take_restarted()
+            if back[0]:
+                return back
+            if not self.launcher.coming_back() and time.monotonic() - t0 >= notice_s:
+                return [], []
+            time.sleep(0.1)
+        return [], []
 
     def start_rollout(self, restore: Optional[dict[str, Any]] = None) -> None:
         """Start the rollout thread (after the engines hold the right weights); `restore` is a

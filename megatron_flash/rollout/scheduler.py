@@ -100,12 +100,12 @@ class RolloutStats(Counters):
     tokens_generated: int = 0
     resumes: int = 0
     engine_errors: int = 0
-    reward_failures: int = 0
-    reward_overflow: int = 0  # rewards beyond ±types.REWARD_LIMIT or not finite (in reward_failures too)
+    reward_errors: int = 0  # failed reward calls but timeouts, per call whatever became of the group
+    reward_timeouts: int = 0  # reward calls past rollout.reward_timeout_s, per call
+    reward_overflow: int = 0  # rewards beyond ±types.REWARD_LIMIT or not finite (their groups: reward_failed)
     groups_finished: int = 0
     groups_filtered: int = 0
-    groups_expired: int = 0
-    """Surplus groups (redundant prompts) cancelled in flight because a push made them stale."""
+    groups_expired: int = 0  # surplus groups (redundant prompts) cancelled in flight: a push made them stale
     group_latency_s: float = 0.0
     skipped_prompts: int = 0
     """Prompts skipped for good: refused by an engine (HTTP 4xx: too long, bad parameters; never
@@ -322,7 +322,6 @@ class RolloutScheduler:
         overflow = overflowing_rewards(samples, group_id=group_id, prompt_index=getattr(prompt, "index", "?"))
         self.stats.reward_overflow += len(overflow)
         if overflow or any(s.reward_failed for s in samples):
-            self.stats.reward_failures += sum(s.reward_failed for s in samples) + len(overflow)
             self.staleness.on_drop(n, reason="failed")
             return
         group = Group(group_id=group_id, prompt_index=getattr(prompt, "index", -1), samples=list(samples),
@@ -468,6 +467,8 @@ class RolloutScheduler:
         else:  # the teacher's logprobs of these exact tokens, beside the reward
             outcome, teacher = await asyncio.gather(scoring, self.teacher.logprobs(
                 prompt.prompt_ids, ids, rid=f"teacher-g{group_id}-{uuid.uuid4().hex[:8]}"))
+        self.stats.reward_timeouts += outcome.timed_out
+        self.stats.reward_errors += outcome.failed and not outcome.timed_out
         known = [v for v in versions if v is not None]
         token_versions = ([-1 if v is None else v for v in versions]
                           if len(known) < len(versions) or len(set(known)) > 1 else None)

@@ -116,10 +116,11 @@ class WeightBridge:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def sync(self, version: int) -> SyncReport:
-        """Push the current weights as `version` to every engine in service. Collective: all ranks."""
+    def sync(self, version: int, *, only: Optional[Sequence[str]] = None) -> SyncReport:
+        """Push the current weights as `version` to every engine in service (`only`: to those of them).
+        Collective: all ranks."""
         t0 = time.perf_counter()
-        targets = list(self.urls)
+        targets = [u for u in self.urls if only is None or u in only]
         if not targets:
             raise WeightSyncError(f"weight sync to version {version}: no engine in service "
                                   f"(out of service: {self.failed or 'none'})")

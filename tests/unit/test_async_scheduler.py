@@ -26,6 +26,7 @@ import torch
 from megatron_flash.buffer.sample_buffer import SampleBuffer
 from megatron_flash.buffer.staleness import StalenessManager
 from megatron_flash.engines.client import GenerateResult
+from megatron_flash.rewards import RewardOutcome
 from megatron_flash.rollout.scheduler import RolloutScheduler, SchedulerSettings
 
 
@@ -47,7 +48,7 @@ class Rewards:
     async def score(self, text: str, answer: str, *, finished: bool, prompt: str = "", meta: Any = None) -> Any:
         self.calls += 1
         failed = bool(self.fail_every) and self.calls % self.fail_every == 0
-        return SimpleNamespace(reward=0.0 if failed else float(sum(map(ord, text)) % 3), failed=failed, error="")
+        return RewardOutcome(0.0 if failed else float(sum(map(ord, text)) % 3), failed)
 
 
 def route_of(token: int) -> list[int]:
@@ -276,13 +277,33 @@ def test_filter_and_failed_rewards_are_dropped_counted_and_refilled() -> None:
     assert h.staleness.take_drop_lengths() == {}  # a window: taken once
 
 
+class HangingRewards(Rewards):
+    """Every 3rd call fails, every 5th of those by its deadline (what RewardPool reports for each)."""
+
+    async def score(self, text: str, answer: str, *, finished: bool, prompt: str = "", meta: Any = None) -> Any:
+        self.calls += 1
+        if self.calls % 3:
+            return RewardOutcome(1.0, False)
+        return RewardOutcome(0.0, True, "timed out", timed_out=self.calls % 15 == 0)
+
+
+def test_reward_errors_and_timeouts_are_counted_per_call() -> None:
+    """reward_failed counts the samples of dropped groups; reward_errors and reward_timeouts count the
+    failed calls themselves, once each, so a run can match every injected reward fault (the soak)."""
+    h = start(alpha=1, batch=8, n=2, proxy=FakeProxy(lambda rid: 0.001), rewards=HangingRewards())
+    train(h, 3, batch=8, alpha=1)  # stops the scheduler: every call made has been counted
+    calls, stats = h.scheduler.reward_pool.calls, h.scheduler.stats
+    assert stats.reward_timeouts == calls // 15 >= 1
+    assert stats.reward_errors == calls // 3 - calls // 15 >= 1
+
+
 class OverflowingRewards(Rewards):
     """Every 5th call returns a finite but overflowing reward (not a failure the pool reports)."""
 
     async def score(self, text: str, answer: str, *, finished: bool, prompt: str = "", meta: Any = None) -> Any:
         self.calls += 1
         reward = 1e308 if self.calls % 5 == 0 else float(self.calls % 2)
-        return SimpleNamespace(reward=reward, failed=False, error="")
+        return RewardOutcome(reward, False)
 
 
 def test_an_overflowing_reward_drops_its_group_counted_never_trained(caplog) -> None:
@@ -295,7 +316,7 @@ def test_an_overflowing_reward_drops_its_group_counted_never_trained(caplog) -> 
     calls, stats, c = h.scheduler.reward_pool.calls, h.scheduler.stats, h.staleness.snapshot()
     # every 5th of the scored samples overflowed (a group's two samples are scored before it is judged)
     assert stats.reward_overflow >= 4 and stats.reward_overflow <= calls // 5
-    assert stats.reward_failures == stats.reward_overflow  # nothing else failed
+    assert stats.reward_errors == stats.reward_timeouts == 0  # nothing else failed
     # each overflowing sample takes its whole group (2 samples) into reward_failed; identity of the row
     assert stats.reward_overflow <= c.dropped_failed <= 2 * stats.reward_overflow and c.dropped_failed % 2 == 0
     assert c.submitted == (c.consumed + c.outstanding + c.dropped_stale + c.regenerated_stale + c.dropped_filtered

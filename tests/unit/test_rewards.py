@@ -177,6 +177,7 @@ def test_inline_deadline_fails_a_hung_reward_on_time_and_carries_on(user_module)
         stuck = asyncio.run(pool.score("x", "60", finished=True))
         assert time.monotonic() - start < 15  # the reward would sleep 60 s
         assert stuck.failed and stuck.reward == 0.0 and "timed out after 1.0 s" in stuck.error
+        assert stuck.timed_out  # told apart from a reward that raised (metric reward_timeouts)
         assert pool.num_abandoned == 1
         # a fresh thread scores the next sample normally
         assert asyncio.run(pool.score("x", "0", finished=True)) == RewardOutcome(1.0, False)
@@ -211,6 +212,7 @@ def test_worker_pool(user_module) -> None:
     with RewardPool(f"{user_module}:boom", num_workers=2) as pool:
         outcome = asyncio.run(pool.score("x", "3", finished=True))
         assert outcome.failed and "kaboom 3" in outcome.error and pool.num_failed == 1
+        assert not outcome.timed_out
 
     with RewardPool(f"{user_module}:pid", num_workers=2) as pool:  # really scored in the workers
         pids = {o.reward for o in asyncio.run(score_all(pool, [("x", "y")] * 6))}
@@ -225,6 +227,7 @@ def test_worker_timeout_kills_and_replaces_the_worker(user_module) -> None:
         stuck = asyncio.run(pool.score("x", "60", finished=True))
         assert time.monotonic() - start < 15  # the reward would sleep 60 s
         assert stuck.failed and stuck.reward == 0.0 and "timed out" in stuck.error and "sleepy" in stuck.error
+        assert stuck.timed_out
         # the next sample gets a fresh process and scores normally
         assert asyncio.run(pool.score("x", "0", finished=True)) == RewardOutcome(1.0, False)
         assert pool._workers[0].pid not in (0, pid)

@@ -323,6 +323,25 @@ def run_pipeline(*, model: str, run_dir: str, overrides: Sequence[str], num_engi
     return rows, mon
 
 
+def finish_reward_plot(fig: Any, axes: Sequence[Any], path: str, *, titles: Sequence[str],
+                       ylabel: str = "task reward (mean over seeds)") -> None:
+    """The reward-curve figures' common frame (steps of 128 samples, reward 0–1, grid, legend), saved
+    to `path` (folders made) and closed."""
+    for ax, title in zip(axes, titles):
+        ax.set_xlabel("train step (128 samples each)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
 def add_engine_device_args(p: argparse.ArgumentParser) -> None:
     """--engine-device / --engine-dtype: where the local engine decodes (its --device / --dtype)."""
     p.add_argument("--engine-device", default="cpu", help="local engine device: cpu, cuda, cuda:N")

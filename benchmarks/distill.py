@@ -1,19 +1,21 @@
-"""On-policy distillation vs RL on the quickstart task, same budget.
+"""On-policy distillation vs RL on the quickstart task, same budget, synchronous and asynchronous.
 
-    OMP_NUM_THREADS=1 python benchmarks/distill.py [--steps 30] [--seeds 0,1] [--teacher-steps 80]
+    OMP_NUM_THREADS=1 python benchmarks/distill.py [--steps 30] [--seeds 0,1] [--alphas 0,2] [--teacher-steps 60]
 
 Teacher: the seed-0 sort4 warm model trained by RL (the quickstart config, --teacher-steps steps) to
 a high reward; built once and cached under runs/bench_models. Student, per seed: that seed's fresh
-format-only warm model (same tokenizer; reward at chance, ≈ 1/24). Three runs per seed, each
---steps steps of 16 prompts × 8 samples at α = 2 with the quickstart's loss (tis):
+format-only warm model (same tokenizer; reward at chance, ≈ 1/24). Per seed and α (async_rl.alpha),
+runs of --steps steps of 16 prompts × 8 samples with the quickstart's loss (tis) and lr:
 
   rl          the task reward alone
-  opd_only    distill.mode=only: the advantage is −λ · (log μ − log π_teacher) per token (reward logged, unused)
+  opd_only    distill.mode=only: the advantage is −λ · (log π_student − log π_teacher) per token (reward
+              logged, unused); the student's logprob from the training forward (distill.student_logprobs=current)
   opd_reward  distill.mode=add: the task advantage plus that term
+  opd_only_behavior  (with --behavior) opd_only with the engine's logprob μ in k_t (student_logprobs=behavior)
 
 `final_reward` is the mean task reward of the last 5 steps; `steps_to_rl_final` is the first step at
-which a run's 5-step running mean reaches rl's final reward (None if never): the aim is OPD there in
-≤ 1/3 of rl's steps. The last line is a JSON object; curves go to --plot.
+which a run's 5-step running mean reaches that seed's and α's rl final reward (None if never): the aim
+is OPD there in ≤ 1/3 of rl's steps. The last line is a JSON object; curves go to --plot.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 
 RUNS = {"rl": [], "opd_only": ["distill.mode=only"], "opd_reward": ["distill.mode=add"]}
+BEHAVIOR = {"opd_only_behavior": ["distill.mode=only", "distill.student_logprobs=behavior"]}
 
 
 def teacher_model(steps: int, name: str) -> str:
@@ -53,34 +56,33 @@ def steps_to(rewards: list[float], target: float, window: int = 5) -> Optional[i
 
 
 def plot(curves: dict[str, dict[int, list[float]]], path: str) -> None:
+    """One panel per α; `curves` is keyed "label α=A" → seed → rewards."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=100)
-    for label, by_seed in curves.items():
-        runs = list(by_seed.values())
-        steps = min(len(r) for r in runs)
-        ax.plot(range(1, steps + 1), [statistics.fmean(r[i] for r in runs) for i in range(steps)], label=label)
-    ax.set_xlabel("train step (128 samples each)")
-    ax.set_ylabel("task reward (mean over seeds)")
-    ax.set_title("sort4, tiny Llama on CPU, α = 2: on-policy distillation vs RL", fontsize=10)
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    alphas = sorted({key.split("α=")[1] for key in curves}, key=int)
+    fig, axes = plt.subplots(1, len(alphas), figsize=(5.2 * len(alphas), 3.8), dpi=100, squeeze=False)
+    for ax, alpha in zip(axes[0], alphas):
+        for key, by_seed in curves.items():
+            if not key.endswith(f"α={alpha}") or not by_seed:
+                continue
+            runs = list(by_seed.values())
+            steps = min(len(r) for r in runs)
+            ax.plot(range(1, steps + 1), [statistics.fmean(r[i] for r in runs) for i in range(steps)],
+                    label=key.split(" ")[0])
+    benchlib.finish_reward_plot(fig, axes[0], path, titles=[f"sort4, tiny Llama on CPU, α = {a}" for a in alphas])
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seeds", default="0,1")
-    p.add_argument("--teacher-steps", type=int, default=80)
+    p.add_argument("--alphas", default="0,2", help="async_rl.alpha values, each a full comparison")
+    p.add_argument("--teacher-steps", type=int, default=60)
     p.add_argument("--coef", type=float, default=1.0, help="distill.coef (λ)")
+    p.add_argument("--behavior", action="store_true", help="also opd_only with distill.student_logprobs=behavior")
     p.add_argument("--plot", default="docs/img/distill_sort4.png", help="'' = no plot")
     p.add_argument("--out", default="runs/bench_distill")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more config overrides for every run")
@@ -89,33 +91,39 @@ def main() -> int:
     t0, load_before = time.time(), benchlib.uptime_load()
     teacher = teacher_model(args.teacher_steps, name)
     seeds = [int(s) for s in args.seeds.split(",")]
-    curves: dict[str, dict[int, list[float]]] = {label: {} for label in RUNS}
-    extra: dict[str, dict[int, dict[str, Any]]] = {label: {} for label in RUNS}
+    alphas = [int(a) for a in args.alphas.split(",")]
+    runs = {**RUNS, **(BEHAVIOR if args.behavior else {})}
+    keys = [f"{label} α={alpha}" for alpha in alphas for label in runs]
+    curves: dict[str, dict[int, list[float]]] = {key: {} for key in keys}
+    extra: dict[str, dict[int, dict[str, Any]]] = {key: {} for key in keys}
+    ours = [o for o in args.overrides if o.startswith("distill.")]  # only where a teacher runs
     for seed in seeds:
         student = benchlib.quickstart_warm_model(seed=seed, name=name)
-        for label, overrides in RUNS.items():
-            ours = [o for o in args.overrides if o.startswith("distill.")]  # only where a teacher runs
-            distill = [] if not overrides else [f"distill.teacher={teacher}", f"distill.coef={args.coef}",
-                                                f"distill.base_port={benchlib.free_ports(1)}", *overrides, *ours]
-            rows, _ = benchlib.run_pipeline(model=student, run_dir=os.path.join(benchlib.REPO, args.out, f"{label}_s{seed}"),
-                                            name=name, overrides=[f"trainer.total_steps={args.steps}", f"trainer.seed={seed}",
-                                                                  *distill, *(o for o in args.overrides
-                                                                              if not o.startswith("distill."))])
-            curves[label][seed] = [r["reward_mean"] for r in rows]
-            kl = [r["distill/reverse_kl"] for r in rows if r.get("distill/reverse_kl") is not None]
-            extra[label][seed] = {"reverse_kl_first": kl[0] if kl else None, "reverse_kl_last": kl[-1] if kl else None,
-                                  "time_step_median": statistics.median(r["time_step"] for r in rows)}
-            benchlib.log(name, f"{label} seed {seed}: reward {statistics.fmean(curves[label][seed][-5:]):.3f} (last 5)")
-    finals = {label: {s: round(statistics.fmean(c[-5:]), 4) for s, c in by.items()} for label, by in curves.items()}
-    result: dict[str, Any] = {"steps": args.steps, "seeds": seeds, "teacher": teacher, "coef": args.coef,
-                              "final_reward": finals,
+        for alpha in alphas:
+            for label, overrides in runs.items():
+                key = f"{label} α={alpha}"
+                distill = [] if not overrides else [f"distill.teacher={teacher}", f"distill.coef={args.coef}",
+                                                    f"distill.base_port={benchlib.free_ports(1)}", *overrides, *ours]
+                rows, _ = benchlib.run_pipeline(
+                    model=student, run_dir=os.path.join(benchlib.REPO, args.out, f"{label}_a{alpha}_s{seed}"), name=name,
+                    overrides=[f"trainer.total_steps={args.steps}", f"trainer.seed={seed}", f"async_rl.alpha={alpha}",
+                               *distill, *(o for o in args.overrides if not o.startswith("distill."))])
+                curves[key][seed] = [r["reward_mean"] for r in rows]
+                kl = [r["distill/reverse_kl"] for r in rows if r.get("distill/reverse_kl") is not None]
+                extra[key][seed] = {
+                    "reverse_kl_first": kl[0] if kl else None, "reverse_kl_last": kl[-1] if kl else None,
+                    "response_len_min": min(r["response_len_mean"] for r in rows),
+                    "staleness_token_mean": statistics.fmean(r["staleness_token_mean"] or 0.0 for r in rows),
+                    "time_step_median": statistics.median(r["time_step"] for r in rows)}
+                benchlib.log(name, f"{key} seed {seed}: reward {statistics.fmean(curves[key][seed][-5:]):.3f} (last 5)")
+    finals = {key: {s: round(statistics.fmean(c[-5:]), 4) for s, c in by.items()} for key, by in curves.items()}
+    result: dict[str, Any] = {"steps": args.steps, "seeds": seeds, "alphas": alphas, "teacher": teacher,
+                              "coef": args.coef, "final_reward": finals,
                               "final_reward_mean": {k: round(statistics.fmean(v.values()), 4) for k, v in finals.items()}}
-    reach: dict[str, dict[int, Optional[int]]] = {}
-    for label in RUNS:
-        reach[label] = {s: steps_to(curves[label][s], finals["rl"][s]) for s in seeds}
+    reach = {key: {s: steps_to(curves[key][s], finals[f"rl α={key.split('α=')[1]}"][s]) for s in seeds} for key in keys}
     result["steps_to_rl_final"] = reach
-    result["ratio_steps_to_rl"] = {label: [None if reach[label][s] is None else round(reach[label][s] / args.steps, 3)
-                                           for s in seeds] for label in RUNS if label != "rl"}
+    result["ratio_steps_to_rl"] = {key: [None if reach[key][s] is None else round(reach[key][s] / args.steps, 3)
+                                         for s in seeds] for key in keys if not key.startswith("rl ")}
     result["runs"] = extra
     if args.plot:
         plot(curves, os.path.join(benchlib.REPO, args.plot))

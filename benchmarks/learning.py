@@ -63,16 +63,8 @@ def plot(curves: dict[str, dict[int, list[float]]], path: str, *, alpha: int) ->
         mean = [statistics.fmean(r[i] for r in runs) for i in range(steps)]
         style = {"color": "black", "linewidth": 2.2} if label.startswith("sync") else {"linewidth": 1.3}
         ax.plot(range(1, steps + 1), mean, label=label, **style)
-    ax.set_xlabel("train step (128 samples each)")
-    ax.set_ylabel("reward (mean over seeds)")
-    ax.set_title(f"sort4, tiny Llama on CPU: α = {alpha} losses vs synchronous ppo", fontsize=10)
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    benchlib.finish_reward_plot(fig, [ax], path, ylabel="reward (mean over seeds)",
+                                titles=[f"sort4, tiny Llama on CPU: α = {alpha} losses vs synchronous ppo"])
 
 
 DIAGNOSTICS = ("train/mismatch_abs", "train/approx_kl", "train/grad_norm", "train/is_weight_mean",

@@ -86,23 +86,6 @@ def teacher_logprobs(samples: Sequence[Any], loss_mask: torch.Tensor) -> torch.T
     return out * (loss_mask != 0)
 
 
-def distill_advantages(batch: TrainBatch, teacher: torch.Tensor, *, coef: float, mode: str,
-                       baseline: str = "none") -> torch.Tensor:
-    """On-policy distillation's per-token advantage (distill.mode): with k_t = log μ(y_t) − log π_teacher(y_t),
-    the reverse-KL estimate on the student's own token (μ: the student engine that sampled it),
-
-        add:   Â_t = A_t − coef · k_t          only:  Â_t = −coef · k_t
-
-    on trained tokens, 0 elsewhere (e.g. log μ = −2.0, log π_teacher = −0.5, coef 1: k = −1.5, so the
-    token the teacher likes better than the student does gets +1.5 added)."""
-    mask = (batch.loss_mask != 0).to(torch.float32)
-    kl = (batch.behavior_logprobs - teacher) * mask
-    if baseline == "mean":  # k_t minus the step's mean over trained tokens: some sampled tokens gain
-        kl = (kl - (kl * mask).sum() / mask.sum().clamp(min=1)) * mask
-    base = batch.advantages if mode == "add" else torch.zeros_like(kl)
-    return (base - coef * kl) * mask
-
-
 def distill_metrics(samples: Sequence[Any]) -> dict[str, float]:
     """distill/reverse_kl (mean k_t per response token) and distill/teacher_logprob (mean log π_teacher),
     over model tokens of the samples that carry teacher logprobs ({} when none does)."""

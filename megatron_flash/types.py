@@ -121,7 +121,7 @@ class Group:
 
 
 PER_TOKEN = ("tokens", "loss_mask", "behavior_logprobs", "advantages", "proximal_logprobs", "reference_logprobs",
-             "behavior_lag")
+             "behavior_lag", "teacher_logprobs")
 PER_SAMPLE = ("lengths", "rewards", "group_ids", "staleness")
 PER_TOKEN_ROWS = ("routed_experts",)  # [B, S, k]: a row of values per token
 
@@ -149,6 +149,9 @@ class TrainBatch:
     behavior_lag: Optional[torch.Tensor] = None
     """[B, S] versions between the weights that sampled each response token and this step's (0 off the
     response); set when π_prox is approximated instead of recomputed (losses/proximal.py)."""
+    teacher_logprobs: Optional[torch.Tensor] = None
+    """[B, S] log π_teacher of each response token (0 off the response); set when on-policy distillation
+    takes the student's logprobs from the training forward (losses/distill.py)."""
     rewards: Optional[torch.Tensor] = None
     """[B] reward of each sample."""
     group_ids: Optional[torch.Tensor] = None

@@ -26,6 +26,7 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_
 ADVANTAGES = ("grpo", "rloo", "reinforce")
 PROX_LOGPROBS = ("recompute", "approximate")
 DISTILL_MODES = ("add", "only")
+DISTILL_STUDENT_LOGPROBS = ("current", "behavior")
 KL_ESTIMATORS = ("k1", "k3")
 DYNAMIC_FILTERS = ("none", "nonzero_std")  # built-ins; "module:function" names a user filter
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -854,9 +855,9 @@ class CheckpointConfig(_Section):
 @dataclass
 class DistillConfig(_Section):
     """On-policy distillation (OPD): a teacher scores the student's own sampled tokens, and the per-token
-    reverse-KL estimate log μ(y_t) − log π_teacher(y_t) (μ: the student engine's logprob of the token it
-    sampled) enters the advantage: Â_t = A_t − coef · (log μ(y_t) − log π_teacher(y_t)) with mode=add,
-    −coef · (…) alone with mode=only. Off while `teacher` is empty."""
+    reverse-KL estimate k_t = log π_student(y_t) − log π_teacher(y_t) enters the advantage:
+    Â_t = A_t − coef · k_t with mode=add, −coef · k_t alone with mode=only (losses/distill.py). Off
+    while `teacher` is empty."""
 
     _section: ClassVar[str] = "distill"
 
@@ -870,9 +871,10 @@ class DistillConfig(_Section):
     mode: str = "add"
     """add (the KL term added to the task advantage) | only (the KL term alone; rewards are still
     computed and logged)."""
-    baseline: str = "none"
-    """none (Â_t from k_t as it is) | mean (k_t minus the step's mean over trained tokens, a baseline:
-    without one nearly every sampled token of a weak student gets a negative advantage)."""
+    student_logprobs: str = "current"
+    """current (log π_student from the training forward, the policy being trained; no extra forward) |
+    behavior (the student engine's logprob when it sampled the token, up to async_rl.alpha versions
+    old: at α = 2 it pushed a sort4 student into ending its answers early)."""
     num_engines: int = 1
     """Teacher engines to launch; with urls, the length of urls."""
     base_port: int = 31000
@@ -886,14 +888,14 @@ class DistillConfig(_Section):
 
     def validate(self) -> None:
         self._one_of("mode", DISTILL_MODES)
-        self._one_of("baseline", ("none", "mean"))
+        self._one_of("student_logprobs", DISTILL_STUDENT_LOGPROBS)
         self._positive("coef")
         self._at_least("num_engines", 1)
         self._require(1 <= self.base_port and self.base_port + self.num_engines - 1 <= 65535, "base_port",
                       f"must leave room for distill.num_engines={self.num_engines} ports in 1..65535")
         if not self.enabled:
-            for name, default in (("urls", []), ("coef", 1.0), ("mode", "add"), ("baseline", "none"), ("num_engines", 1),
-                                  ("base_port", 31000), ("server_args", {})):
+            for name, default in (("urls", []), ("coef", 1.0), ("mode", "add"), ("student_logprobs", "current"),
+                                  ("num_engines", 1), ("base_port", 31000), ("server_args", {})):
                 if getattr(self, name) != default:
                     raise ValueError(f"distill.{name} is set but distill.teacher is empty: distillation is off "
                                      "(set distill.teacher to the teacher checkpoint)")

@@ -99,11 +99,14 @@ def build_rollout(cfg: "RunConfig", *, tokenizer: Any, staleness: "StalenessMana
 
 def build_bridge(cfg: "RunConfig", policy: Any, urls: list[str], *, run_dir: str) -> Any:
     from megatron_flash.weight_sync.bridge import WeightBridge, default_disk_dir
+    from megatron_flash.weight_sync.fault_injection import sync_cut_hook
 
-    return WeightBridge.from_config(
+    bridge = WeightBridge.from_config(
         policy, urls, cfg.weight_sync, pause_mode=cfg.rollout.pause_mode, api_key=cfg.engines.api_key,
         disk_dir=default_disk_dir(run_dir), engine_tp_size=cfg.engines.tp_size,
         master_address=sender_address(urls), colocate=cfg.engines.colocate)
+    bridge.executor.on_bucket = sync_cut_hook(bridge)  # None unless MF_FAULT_CUT_SYNC_FILE is set (benchmarks)
+    return bridge
 
 
 def sender_address(urls: list[str]) -> str:
@@ -150,13 +153,15 @@ def check_loss(cfg: "RunConfig", loss: Any) -> str:
     return f"loss {loss.name}: {loss.description}; {data}{opt_in}"
 
 
-def loss_fns(loss_cfg: Any, loss: Any, max_new_tokens: int) -> tuple[Any, Any]:
+def loss_fns(loss_cfg: Any, loss: Any, max_new_tokens: int, distill_cfg: Any = None) -> tuple[Any, Any]:
     """(Loss, the trainer's loss_fn): the launcher's already-checked loss when it passed one."""
     from megatron_flash.trainer.loss_adapter import aggregation_norm, build_loss, make_loss_fn
 
     loss = loss if loss is not None else build_loss(loss_cfg)
+    in_loss = distill_cfg is not None and distill_cfg.enabled and distill_cfg.student_logprobs == "current"
     return loss, make_loss_fn(loss, aggregation=loss_cfg.aggregation, norm=aggregation_norm(loss_cfg, max_new_tokens),
-                              approximate_prox=loss_cfg.prox_logprobs == "approximate")
+                              approximate_prox=loss_cfg.prox_logprobs == "approximate",
+                              distill=(distill_cfg.coef, distill_cfg.mode) if in_loss else None)
 
 
 def build_policy(cfg: Any) -> Any:

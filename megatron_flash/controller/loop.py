@@ -135,10 +135,14 @@ class Controller:
         cfg = self.cfg
         os.makedirs(self.run_dir, exist_ok=True)
         torch.manual_seed(cfg.trainer.seed)
-        self.loss, self.loss_fn = assembly.loss_fns(cfg.loss, self._loss, cfg.rollout.max_new_tokens)
+        self.loss, self.loss_fn = assembly.loss_fns(cfg.loss, self._loss, cfg.rollout.max_new_tokens, cfg.distill)
         loss_line = assembly.check_loss(cfg, self.loss)
         if os.environ.get("RANK", "0") == "0":  # the first line of the run: what each ratio is taken against
             logger.info("%s", loss_line)
+            if cfg.distill.enabled and cfg.async_rl.alpha > 0:
+                logger.warning("distill.teacher with async_rl.alpha=%d: the sampled-token reverse KL collapsed on "
+                               "stale samples where it was measured (docs/distillation.md, 'Status'); "
+                               "async_rl.alpha=0 is the setting that learned", cfg.async_rl.alpha)
         self.staleness = StalenessManager(alpha=cfg.async_rl.alpha, batch_size=self.batch_size,
                                           extra=cfg.rollout.extra_prompts * cfg.rollout.n_samples_per_prompt,
                                           admission=cfg.async_rl.admission)
@@ -253,12 +257,16 @@ class Controller:
                 if self.mode.replays:
                     payload = self._replay_batch()
                 else:
-                    payload = self.buffer.take_batch(self.batch_size, timeout_s=self.cfg.async_rl.batch_timeout_s)
+                    payload = self.buffer.take_batch(self.batch_size, timeout_s=self.cfg.async_rl.batch_timeout_s,
+                                                     wake=self.handoff.wake())
             except (BufferClosed, TimeoutError) as e:
                 cause = e.__cause__ if isinstance(e, BufferClosed) and e.__cause__ is not None else e
                 where = f"; {where_samples_went(self.staleness, self.cfg.rollout)}" if isinstance(e, TimeoutError) else ""
                 payload = RolloutStopped(f"no training batch at policy version {self.version}: {cause}{where}")
         payload = self._broadcast(payload)
+        if payload is None:  # the run's only engine came back while this waited: it gets version V first
+            self.handoff.rejoin(self.version)
+            return self.next_batch()
         if isinstance(payload, BaseException):
             raise payload
         return payload
@@ -275,7 +283,7 @@ class Controller:
         return groups
 
     def make_batch(self, groups: list[Group]) -> TrainBatch:
-        from megatron_flash.losses import compute_advantages
+        from megatron_flash.losses import compute_advantages, distill_advantages
 
         samples = [s for g in groups for s in g.samples]
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
@@ -290,8 +298,12 @@ class Controller:
         d = self.cfg.distill
         if d.enabled:  # the teacher's per-token reverse KL in the advantage (after the filter: masked tokens stay 0)
             teacher = recipes.teacher_logprobs(samples, batch.loss_mask)
-            batch = batch.replace(advantages=recipes.distill_advantages(batch, teacher, coef=d.coef, mode=d.mode,
-                                                                        baseline=d.baseline))
+            if d.student_logprobs == "current":  # the loss forms Â_t from its own forward (losses/distill.py)
+                batch = batch.replace(teacher_logprobs=teacher)
+            else:
+                batch = batch.replace(advantages=distill_advantages(
+                    advantages=batch.advantages, student_logprobs=batch.behavior_logprobs, teacher_logprobs=teacher,
+                    loss_mask=batch.loss_mask, coef=d.coef, mode=d.mode))
         batch = batch.replace(staleness=torch.tensor([staleness(self.version, s.version_start) for s in samples]))
         if self.version_check is not None:  # before training: the weights are still version V's
             self._check_metrics = self.version_check.step(self.version, samples, batch)
@@ -349,8 +361,9 @@ class Controller:
         if self.rank == 0:
             with open(path, "w") as f:
                 for i in range(batch.tokens.shape[0]):
-                    row = {k: getattr(batch, k)[i].tolist() for k in ("tokens", "loss_mask", "behavior_logprobs",
-                                                                       "advantages", "proximal_logprobs", "rewards")
+                    row = {k: getattr(batch, k)[i].tolist() for k in (
+                        "tokens", "loss_mask", "behavior_logprobs", "advantages", "proximal_logprobs",
+                        "teacher_logprobs", "rewards")
                            if getattr(batch, k, None) is not None}
                     f.write(json.dumps(row) + "\n")
         raise RuntimeError(f"{self._nonfinite_run} optimizer steps in a row had a non-finite gradient "

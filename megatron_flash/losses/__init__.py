@@ -14,6 +14,7 @@ from megatron_flash.losses.advantages import ADVANTAGE_ESTIMATORS, compute_advan
 from megatron_flash.losses.aggregation import AGGREGATION_MODES, aggregate
 from megatron_flash.losses.common import LOG_RATIO_CLAMP, LossFn, LossInputs, LossTerms
 from megatron_flash.losses.corrections import COMMON_PARAMS, KL_ESTIMATORS, MISMATCH_MODES
+from megatron_flash.losses.distill import DISTILL_MODES, STUDENT_LOGPROBS, distill_advantages
 from megatron_flash.losses.registry import Loss, get_loss, list_losses, loss_param_names, register_loss
 
 # Importing a loss module registers it.
@@ -23,15 +24,18 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATION_MODES",
     "COMMON_PARAMS",
+    "DISTILL_MODES",
     "KL_ESTIMATORS",
     "LOG_RATIO_CLAMP",
     "MISMATCH_MODES",
+    "STUDENT_LOGPROBS",
     "Loss",
     "LossFn",
     "LossInputs",
     "LossTerms",
     "aggregate",
     "compute_advantages",
+    "distill_advantages",
     "get_loss",
     "list_losses",
     "loss_param_names",

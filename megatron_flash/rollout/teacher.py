@@ -5,7 +5,7 @@ score exactly those tokens, teacher-forced: one `/generate` with `return_logprob
 = prompt length − 1 and no new tokens worth keeping (SGLang's prompt-logprob scoring), sent through
 an `LLMProxy` of the teacher engines, so retries, health and take-outs are the student proxy's. The
 logprobs travel with the sample (`Sample.teacher_logprobs`) through the buffer, dumps and checkpoints;
-the trainer turns them into the advantage (recipes.distill_advantages).
+the trainer turns them into the advantage (losses/distill.py).
 
     prompt p_1..p_P, response y_1..y_R  →  send p_1..p_P y_1..y_R, logprob_start_len = P − 1
     ←  input_token_logprobs for positions P−1 … P+R−1: the first is null (no logits before it), the

@@ -1,8 +1,10 @@
 """Adapt a registry loss to the trainer's per-micro-batch contract (the trainer never sees names).
 
 The micro-batch (a TrainBatch) carries `loss_mask`, `behavior_logprobs`, `advantages` and optionally
-`proximal_logprobs`, `rewards` [B], `reference_logprobs`; the returned function computes the
-per-token loss with the current logprobs, then `(loss_sum, denominator)` by the aggregation mode,
+`proximal_logprobs`, `rewards` [B], `reference_logprobs`, `teacher_logprobs`; the returned function
+computes the per-token loss with the current logprobs (with teacher logprobs, the advantage first gains
+on-policy distillation's reverse-KL term taken against those logprobs, losses/distill.py), then
+`(loss_sum, denominator)` by the aggregation mode,
 so Megatron's per-token normalisation makes every micro-batch / DP split give the same gradient.
 """
 
@@ -12,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from megatron_flash.losses import Loss, aggregate
+from megatron_flash.losses import Loss, aggregate, distill_advantages
 from megatron_flash.losses.proximal import approximate_proximal
 from megatron_flash.types import TrainBatch
 
@@ -22,12 +24,14 @@ class RLLossFn:
     no proximal_logprobs, π_prox comes from the training forward itself (losses/proximal.py): the caller
     sets `theta_advance` = k / K before optimizer step k of the K this batch takes."""
 
-    def __init__(self, loss: Loss, *, aggregation: str, norm: Optional[float], approximate_prox: bool) -> None:
+    def __init__(self, loss: Loss, *, aggregation: str, norm: Optional[float], approximate_prox: bool,
+                 distill: Optional[tuple[float, str]] = None) -> None:
         self.loss = loss
         self.aggregation = aggregation
         self.norm = norm
         self.approximate_prox = approximate_prox and loss.needs_proximal
         self.theta_advance = 0.0
+        self.distill = distill  # (coef, mode) when the student's logprobs come from this forward
 
     def __call__(self, mb: TrainBatch, logprobs: torch.Tensor, entropy: Optional[torch.Tensor]):
         if mb.behavior_logprobs is None or mb.advantages is None:
@@ -38,10 +42,18 @@ class RLLossFn:
                 raise ValueError("approximating π_prox needs the batch's behavior_lag")
             proximal = approximate_proximal(logprobs=logprobs, behavior_logprobs=mb.behavior_logprobs,
                                             behavior_lag=mb.behavior_lag, theta_advance=self.theta_advance)
+        advantages = mb.advantages
+        if mb.teacher_logprobs is not None:
+            if self.distill is None:
+                raise ValueError("the batch carries teacher logprobs but this loss was built without distill settings")
+            coef, mode = self.distill
+            advantages = distill_advantages(advantages=advantages, student_logprobs=logprobs,
+                                            teacher_logprobs=mb.teacher_logprobs, loss_mask=mb.loss_mask,
+                                            coef=coef, mode=mode)
         per_token, metrics = self.loss(
             logprobs=logprobs,
             behavior_logprobs=mb.behavior_logprobs,
-            advantages=mb.advantages,
+            advantages=advantages,
             loss_mask=mb.loss_mask,
             rewards=mb.rewards,
             proximal_logprobs=proximal,
@@ -55,8 +67,8 @@ class RLLossFn:
 
 
 def make_loss_fn(loss: Loss, *, aggregation: str = "token_mean", norm: Optional[float] = None,
-                 approximate_prox: bool = False) -> RLLossFn:
-    return RLLossFn(loss, aggregation=aggregation, norm=norm, approximate_prox=approximate_prox)
+                 approximate_prox: bool = False, distill: Optional[tuple[float, str]] = None) -> RLLossFn:
+    return RLLossFn(loss, aggregation=aggregation, norm=norm, approximate_prox=approximate_prox, distill=distill)
 
 
 def nll_loss_fn(mb: TrainBatch, logprobs: torch.Tensor, entropy: Optional[torch.Tensor]):

@@ -115,3 +115,5 @@ def test_schema_choices_match_losses_package() -> None:
     assert set(schema.ADVANTAGES) == set(losses.ADVANTAGE_ESTIMATORS)
     assert set(schema.AGGREGATIONS) == set(losses.AGGREGATION_MODES)
     assert set(schema.KL_ESTIMATORS) == set(losses.KL_ESTIMATORS)
+    assert set(schema.DISTILL_MODES) == set(losses.DISTILL_MODES)
+    assert set(schema.DISTILL_STUDENT_LOGPROBS) == set(losses.STUDENT_LOGPROBS)

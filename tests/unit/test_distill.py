@@ -1,5 +1,6 @@
-"""On-policy distillation pieces: the advantage against numbers worked by hand, the teacher logprobs'
-layout, the metrics, the config rules and the tokenizer check."""
+"""On-policy distillation pieces: the advantage against numbers worked by hand (from the engine's
+logprobs, and from the training forward inside the loss), the teacher logprobs' layout, the metrics,
+the config rules and the tokenizer check."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from megatron_flash.config import load_config
-from megatron_flash.recipes import distill_advantages, distill_metrics, teacher_logprobs
+from megatron_flash.losses import distill_advantages, get_loss
+from megatron_flash.recipes import distill_metrics, teacher_logprobs
 from megatron_flash.rollout.teacher import check_same_tokenizer
 from megatron_flash.types import Sample, collate
 
@@ -31,7 +33,9 @@ def test_teacher_logprobs_sit_on_the_response_tokens() -> None:
 def test_advantage_is_the_task_advantage_minus_coef_times_the_reverse_kl(mode: str) -> None:
     s = samples()
     batch = collate(s, pad_id=0, advantages=torch.tensor([0.5, -0.5]))
-    got = distill_advantages(batch, teacher_logprobs(s, batch.loss_mask), coef=2.0, mode=mode)
+    got = distill_advantages(advantages=batch.advantages, student_logprobs=batch.behavior_logprobs,
+                             teacher_logprobs=teacher_logprobs(s, batch.loss_mask), loss_mask=batch.loss_mask,
+                             coef=2.0, mode=mode)
     # k = log μ − log π_teacher per token: a: (−0.5, 0.5, 0), b: (−2, 0.5); Â = A − 2k (add) or −2k (only)
     a, b = (0.5, -0.5) if mode == "add" else (0.0, 0.0)
     want = [[0, 0, a + 1.0, a - 1.0, a + 0.0], [0, b + 4.0, b - 1.0, 0, 0]]
@@ -67,6 +71,8 @@ def test_config_rules() -> None:
     assert not load_config(None, []).distill.enabled
     for bad, key in ((["distill.coef=0.5"], "distill.coef"), (["distill.teacher=/t", "distill.mode=mix"], "distill.mode"),
                      (["distill.teacher=/t", "distill.coef=0"], "distill.coef"),
+                     (["distill.teacher=/t", "distill.student_logprobs=engine"], "distill.student_logprobs"),
+                     (["distill.student_logprobs=behavior"], "distill.student_logprobs"),
                      (["distill.teacher=/t", "distill.urls=[http://a:1,http://b:2]"], "distill.num_engines"),
                      (["distill.teacher=/t", "distill.urls=[http://a:1]", "distill.server_args={x: 1}"],
                       "distill.server_args"),
@@ -92,10 +98,24 @@ def test_tokenizer_check_names_both_checkpoints() -> None:
         check_same_tokenizer(Tok({"a": 0}), Tok({"a": 0}, eos=0), student_path="S", teacher_path="T")
 
 
-def test_mean_baseline_centres_the_kl_term_over_trained_tokens() -> None:
+@pytest.mark.parametrize("mode", ["add", "only"])
+def test_in_the_loss_the_reverse_kl_is_taken_against_the_training_forward(mode: str) -> None:
+    """distill.student_logprobs=current: the loss adapter forms Â_t from the logprobs of its own forward
+    (detached), not from the engine's μ. With reinforce (per-token loss −Â·log π, token mean) the
+    gradient on each trained token's logprob is −Â_t / (trained tokens)."""
+    from megatron_flash.trainer.loss_adapter import make_loss_fn
+
     s = samples()
     batch = collate(s, pad_id=0, advantages=torch.tensor([0.5, -0.5]))
-    got = distill_advantages(batch, teacher_logprobs(s, batch.loss_mask), coef=2.0, mode="only", baseline="mean")
-    # k over the 5 trained tokens: −0.5, 0.5, 0, −2, 0.5 → mean −0.3; Â = −2 (k + 0.3)
-    want = [[0, 0, 0.4, -1.6, -0.6], [0, 3.4, -1.6, 0, 0]]
-    assert torch.allclose(got, torch.tensor(want), atol=1e-6), got
+    batch = batch.replace(teacher_logprobs=teacher_logprobs(s, batch.loss_mask))
+    current = torch.tensor([[0, 0, -0.5, -2.0, -1.5], [0, -1.0, -0.25, 0, 0]], requires_grad=True)
+    fn = make_loss_fn(get_loss("reinforce"), distill=(2.0, mode))
+    loss_sum, denominator, _ = fn(batch, current, None)
+    (loss_sum / denominator).backward()
+    # k = log π_current − log π_teacher: a (0, 0.5, −1), b (0, 0.5); Â = A − 2k (add) or −2k (only)
+    a, b = (0.5, -0.5) if mode == "add" else (0.0, 0.0)
+    want = torch.tensor([[0, 0, a - 0.0, a - 1.0, a + 2.0], [0, b - 0.0, b - 1.0, 0, 0]])
+    assert int(denominator) == 5
+    assert torch.allclose(current.grad, -want / 5, atol=1e-6), current.grad
+    with pytest.raises(ValueError, match="distill"):  # teacher logprobs but no distill settings: refused
+        make_loss_fn(get_loss("reinforce"))(batch, current, None)

@@ -168,8 +168,10 @@ def start(*, alpha: int, batch: int, n: int, proxy: FakeProxy, extra: int = 0, s
     return Harness(s, buf, m, proxy, t)
 
 
-def train(h: Harness, steps: int, *, batch: int, alpha: int, train_s=lambda: 0.0, abort: bool = False):
-    """The fake trainer: take a batch, check the bound, 'train', push. Returns per-step groups."""
+def train(h: Harness, steps: int, *, batch: int, alpha: int, train_s=lambda: 0.0, abort: bool = False,
+          settle=lambda: None):
+    """The fake trainer: take a batch, check the bound, 'train', push. Returns per-step groups.
+    `settle` runs after the last step, before the scheduler is stopped."""
     taken = []
     for step in range(steps):
         groups = h.buffer.take_batch(batch, timeout_s=30, poll_s=0.005)
@@ -182,6 +184,7 @@ def train(h: Harness, steps: int, *, batch: int, alpha: int, train_s=lambda: 0.0
         time.sleep(train_s())
         h.proxy.push(step + 1, abort=abort)
         h.staleness.set_version(step + 1)
+    settle()
     h.scheduler.stop()
     h.thread.join(30)
     assert not h.thread.is_alive()
@@ -519,7 +522,16 @@ def test_a_prompt_that_keeps_failing_is_retried_a_bounded_number_of_times_then_s
     proxy = CrashingProxy(lambda rid: 0.0)
     h = start(alpha=1, batch=8, n=2, proxy=proxy, dataset=IndexedDataset())
     retries = h.scheduler.settings.max_prompt_retries
-    taken = train(h, 8, batch=8, alpha=1)
+
+    def crashed_groups() -> int:
+        return len({rid.split("-")[0] for rid, ids in list(proxy.requests) if ids[1] == 5})
+
+    def settle() -> None:  # a failure that lands after stop() counts as cancelled, not as a try: let them land
+        deadline = time.monotonic() + 10
+        while h.scheduler.stats.engine_errors < crashed_groups() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    taken = train(h, 8, batch=8, alpha=1, settle=settle)
     trained = {g.prompt_index for gs in taken for g in gs}
     groups_of: dict[int, set] = {}  # failing prompt → the groups (attempts) it went out as
     for rid, ids in proxy.requests:

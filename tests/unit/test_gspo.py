@@ -8,7 +8,7 @@ Written from the formula (docs/losses.md), not from the code:
     d(Σ_t L_t)/d lp_t' = n_i · dL_i/d lp_t' = −A_i s_i m_t'   (unclipped branch, inside the clamp), else 0
 
 m is the response mask after mismatch masking (token mode: keep 0.8 ≤ exp(old − μ) ≤ 1.25). With the
-behaviour weight (behavior_weight="sequence", the default) every L_i and its gradient are multiplied by
+behaviour weight (behavior_weight="sequence") every L_i and its gradient are multiplied by
 the constant w_i = min(exp(Σ_t m_t (old_t − μ_t) / Σ_t m_t), cap).
 """
 
@@ -73,7 +73,7 @@ def reference(x: dict[str, torch.Tensor], eps_low: float, eps_high: float, misma
 def test_values_gradients_and_clip_fractions_match_the_reference(seed, eps_low, eps_high, spread, mismatch, cap):
     x = inputs(seed, spread)
     params = {"eps_low": eps_low, "eps_high": eps_high}
-    params.update({"behavior_weight": "none"} if cap is None else {"weight_cap": cap})
+    params.update({"behavior_weight": "none"} if cap is None else {"behavior_weight": "sequence", "weight_cap": cap})
     if mismatch:
         params.update(mismatch_mask="token", mismatch_low=0.8, mismatch_high=1.25)
     lp = x["logprobs"].clone().requires_grad_(True)
@@ -104,7 +104,7 @@ def test_the_cases_clip_both_sides_and_leave_some_unclipped():
 
 def test_with_seq_mean_token_mean_the_objective_is_the_mean_over_sequences():
     x = inputs(3, 0.3)
-    per_token, _ = get_loss("gspo", eps_low=0.1, eps_high=0.2)(**x)
+    per_token, _ = get_loss("gspo", eps_low=0.1, eps_high=0.2, behavior_weight="sequence")(**x)
     loss_sum, denominator = aggregate(per_token, x["loss_mask"], mode="seq_mean_token_mean")
     want, _, clipped = reference(x, 0.1, 0.2, False, 1.0)
     per_seq = [next((v for v in row if v != 0.0), 0.0) for row in want]
@@ -120,9 +120,64 @@ def test_gspo_reads_the_proximal_policy_and_defaults_to_the_papers_clip():
 
 
 def test_behaviour_weight_is_the_default_and_the_paper_form_is_on_policy():
-    assert get_loss("gspo").params["behavior_weight"] == "sequence" and not get_loss("gspo").on_policy
+    assert get_loss("gspo").params["behavior_weight"] == "token" and not get_loss("gspo").on_policy
+    assert not get_loss("gspo", behavior_weight="sequence").on_policy
     assert get_loss("gspo", behavior_weight="none").on_policy
     with pytest.raises(ValueError, match="behavior_weight"):
-        get_loss("gspo", behavior_weight="token")
+        get_loss("gspo", behavior_weight="tokens")
     with pytest.raises(ValueError, match="weight_cap"):
         get_loss("gspo", weight_cap=0.0)
+
+
+def token_reference(x: dict[str, torch.Tensor], eps_low: float, eps_high: float, cap: float):
+    """behavior_weight="token" (GSPO-token): the value of token t is −w_t·min(s_i A_i, clip(s_i) A_i) with
+    w_t = min(exp(old_t − μ_t), cap); its gradient on lp_t is −w_t·A_i·s_i (unclipped branch), else 0."""
+    lp, old, mu = x["logprobs"].tolist(), x["proximal_logprobs"].tolist(), x["behavior_logprobs"].tolist()
+    adv, mask = x["advantages"].tolist(), x["loss_mask"].tolist()
+    loss = [[0.0] * T for _ in range(B)]
+    grad = [[0.0] * T for _ in range(B)]
+    for i in range(B):
+        n = sum(mask[i])
+        if n == 0:
+            continue
+        s = math.exp(min(max(sum(mask[i][t] * (lp[i][t] - old[i][t]) for t in range(T)) / n, -20.0), 20.0))
+        a = sum(mask[i][t] * adv[i][t] for t in range(T)) / n
+        sc = min(max(s, 1 - eps_low), 1 + eps_high)
+        unclipped = s * a <= sc * a
+        for t in range(T):
+            if mask[i][t]:
+                w = min(math.exp(old[i][t] - mu[i][t]), cap)
+                loss[i][t] = -w * (s * a if unclipped else sc * a)
+                grad[i][t] = -w * a * s if unclipped else 0.0
+    return loss, grad
+
+
+@pytest.mark.parametrize("cap", [1.0, 2.0])
+@pytest.mark.parametrize("eps_low,eps_high,spread", [(3e-4, 4e-4, 0.05), (0.1, 0.2, 0.3)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_token_behaviour_weight_matches_the_reference(seed, eps_low, eps_high, spread, cap):
+    x = inputs(seed, spread)
+    lp = x["logprobs"].clone().requires_grad_(True)
+    per_token, metrics = get_loss("gspo", eps_low=eps_low, eps_high=eps_high, behavior_weight="token",
+                                  weight_cap=cap)(**{**x, "logprobs": lp})
+    per_token.sum().backward()
+    want_loss, want_grad = token_reference(x, eps_low, eps_high, cap)
+    torch.testing.assert_close(per_token.detach(), torch.tensor(want_loss, dtype=torch.float64), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lp.grad, torch.tensor(want_grad, dtype=torch.float64), rtol=1e-10, atol=1e-12)
+    m = x["loss_mask"] > 0
+    capped = ((x["proximal_logprobs"] - x["behavior_logprobs"]).exp() > cap) & m
+    assert metrics["token_is_capped_frac"].item() == pytest.approx(capped.sum().item() / m.sum().item())
+    assert cap > 1 or 0 < capped.sum().item() < m.sum().item()  # at cap 1 both sides of the cap are hit
+
+
+def test_token_form_on_policy_is_gspo():
+    """μ = π_prox: every w_t = 1 and GSPO-token's gradient is GSPO's (constant advantages)."""
+    x = inputs(4, 0.3)
+    x["behavior_logprobs"] = x["proximal_logprobs"].clone()
+    grads = []
+    for weight in ("token", "none"):
+        lp = x["logprobs"].clone().requires_grad_(True)
+        per_token, _ = get_loss("gspo", eps_low=0.1, eps_high=0.2, behavior_weight=weight)(**{**x, "logprobs": lp})
+        aggregate(per_token, x["loss_mask"], mode="seq_mean_token_mean")[0].backward()
+        grads.append(lp.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)

@@ -168,6 +168,22 @@ def start(*, alpha: int, batch: int, n: int, proxy: FakeProxy, extra: int = 0, s
     return Harness(s, buf, m, proxy, t)
 
 
+def quiesce(h: Harness, timeout_s: float = 30.0) -> None:
+    """Wait until the rollout is at rest: nothing in flight and no room to admit more (the buffer holds
+    what α allows). A request that fails after stop() counts as cancelled, not as a failure of its
+    prompt, so tests that match the scheduler's counts with the requests an engine saw stop only here."""
+    deadline, quiet_since = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        if h.staleness.in_flight_through(1 << 30) == 0 and h.staleness.capacity() <= 0:
+            quiet_since = quiet_since or time.monotonic()
+            if time.monotonic() - quiet_since >= 0.05:
+                return
+        else:
+            quiet_since = None
+        time.sleep(0.005)
+    raise AssertionError("the rollout did not come to rest")
+
+
 def train(h: Harness, steps: int, *, batch: int, alpha: int, train_s=lambda: 0.0, abort: bool = False,
           settle=lambda: None):
     """The fake trainer: take a batch, check the bound, 'train', push. Returns per-step groups.
@@ -464,7 +480,8 @@ def test_a_prompt_the_engine_refuses_is_skipped_counted_and_never_sent_again() -
     refused once, skipped, and the run trains on the others. Asking again would get the same 400."""
     proxy = FakeProxy(lambda rid: 0.0, context=6)
     h = start(alpha=1, batch=8, n=2, proxy=proxy)
-    taken = train(h, 6, batch=8, alpha=1)
+
+    taken = train(h, 6, batch=8, alpha=1, settle=lambda: quiesce(h))
     trained = {g.prompt_index for gs in taken for g in gs}
     refused = {int(rid.split("-")[0][1:]) for rid, ids in proxy.requests if ids[1] > 6}
     assert refused and not trained & refused
@@ -523,15 +540,7 @@ def test_a_prompt_that_keeps_failing_is_retried_a_bounded_number_of_times_then_s
     h = start(alpha=1, batch=8, n=2, proxy=proxy, dataset=IndexedDataset())
     retries = h.scheduler.settings.max_prompt_retries
 
-    def crashed_groups() -> int:
-        return len({rid.split("-")[0] for rid, ids in list(proxy.requests) if ids[1] == 5})
-
-    def settle() -> None:  # a failure that lands after stop() counts as cancelled, not as a try: let them land
-        deadline = time.monotonic() + 10
-        while h.scheduler.stats.engine_errors < crashed_groups() and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-    taken = train(h, 8, batch=8, alpha=1, settle=settle)
+    taken = train(h, 8, batch=8, alpha=1, settle=lambda: quiesce(h))
     trained = {g.prompt_index for gs in taken for g in gs}
     groups_of: dict[int, set] = {}  # failing prompt → the groups (attempts) it went out as
     for rid, ids in proxy.requests:

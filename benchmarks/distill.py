@@ -1,6 +1,7 @@
 """On-policy distillation vs RL on the quickstart task, same budget, synchronous and asynchronous.
 
     OMP_NUM_THREADS=1 python benchmarks/distill.py [--steps 30] [--seeds 0,1] [--alphas 0,2] [--teacher-steps 60]
+    OMP_NUM_THREADS=1 python benchmarks/distill.py --topk 4 --runs rl,opd_only_topk,opd_reward_topk
 
 Teacher: the seed-0 sort4 warm model trained by RL (the quickstart config, --teacher-steps steps) to
 a high reward; built once and cached under runs/bench_models. Student, per seed: that seed's fresh
@@ -12,6 +13,8 @@ runs of --steps steps of 16 prompts × 8 samples with the quickstart's loss (tis
               logged, unused); the student's logprob from the training forward (distill.student_logprobs=current)
   opd_reward  distill.mode=add: the task advantage plus that term
   opd_only_behavior  (with --behavior) opd_only with the engine's logprob μ in k_t (student_logprobs=behavior)
+  opd_only_topk, opd_reward_topk  (with --topk K) distill.topk=K: instead of k_t in the advantage, the
+              reverse KL over the teacher's top-K tokens (+ the rest) at each position is a loss term
 
 `final_reward` is the mean task reward of the last 5 steps; `steps_to_rl_final` is the first step at
 which a run's 5-step running mean reaches that seed's and α's rl final reward (None if never): the aim
@@ -83,6 +86,8 @@ def main() -> int:
     p.add_argument("--teacher-steps", type=int, default=60)
     p.add_argument("--coef", type=float, default=1.0, help="distill.coef (λ)")
     p.add_argument("--behavior", action="store_true", help="also opd_only with distill.student_logprobs=behavior")
+    p.add_argument("--topk", type=int, default=0, help="also opd_only_topk and opd_reward_topk with distill.topk=K")
+    p.add_argument("--runs", default="", help="comma-separated labels to run (default: all selected above)")
     p.add_argument("--plot", default="docs/img/distill_sort4.png", help="'' = no plot")
     p.add_argument("--out", default="runs/bench_distill")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more config overrides for every run")
@@ -93,6 +98,14 @@ def main() -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     alphas = [int(a) for a in args.alphas.split(",")]
     runs = {**RUNS, **(BEHAVIOR if args.behavior else {})}
+    if args.topk:
+        runs.update({"opd_only_topk": ["distill.mode=only", f"distill.topk={args.topk}"],
+                     "opd_reward_topk": ["distill.mode=add", f"distill.topk={args.topk}"]})
+    if args.runs:
+        unknown = set(args.runs.split(",")) - set(runs)
+        if unknown or "rl" not in args.runs.split(","):
+            raise SystemExit(f"--runs: unknown {sorted(unknown)} or no rl (the reference); known: {sorted(runs)}")
+        runs = {k: v for k, v in runs.items() if k in args.runs.split(",")}
     keys = [f"{label} α={alpha}" for alpha in alphas for label in runs]
     curves: dict[str, dict[int, list[float]]] = {key: {} for key in keys}
     extra: dict[str, dict[int, dict[str, Any]]] = {key: {} for key in keys}
@@ -110,15 +123,17 @@ def main() -> int:
                                *distill, *(o for o in args.overrides if not o.startswith("distill."))])
                 curves[key][seed] = [r["reward_mean"] for r in rows]
                 kl = [r["distill/reverse_kl"] for r in rows if r.get("distill/reverse_kl") is not None]
+                top = [r["train/distill/topk_reverse_kl"] for r in rows if r.get("train/distill/topk_reverse_kl") is not None]
                 extra[key][seed] = {
                     "reverse_kl_first": kl[0] if kl else None, "reverse_kl_last": kl[-1] if kl else None,
+                    "topk_kl_first": top[0] if top else None, "topk_kl_last": top[-1] if top else None,
                     "response_len_min": min(r["response_len_mean"] for r in rows),
                     "staleness_token_mean": statistics.fmean(r["staleness_token_mean"] or 0.0 for r in rows),
                     "time_step_median": statistics.median(r["time_step"] for r in rows)}
                 benchlib.log(name, f"{key} seed {seed}: reward {statistics.fmean(curves[key][seed][-5:]):.3f} (last 5)")
     finals = {key: {s: round(statistics.fmean(c[-5:]), 4) for s, c in by.items()} for key, by in curves.items()}
     result: dict[str, Any] = {"steps": args.steps, "seeds": seeds, "alphas": alphas, "teacher": teacher,
-                              "coef": args.coef, "final_reward": finals,
+                              "coef": args.coef, "topk": args.topk, "final_reward": finals,
                               "final_reward_mean": {k: round(statistics.fmean(v.values()), 4) for k, v in finals.items()}}
     reach = {key: {s: steps_to(curves[key][s], finals[f"rl α={key.split('α=')[1]}"][s]) for s in seeds} for key in keys}
     result["steps_to_rl_final"] = reach

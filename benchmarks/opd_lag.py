@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/opd_lag.py --estimator sampled --lag 2
     OMP_NUM_THREADS=1 python benchmarks/opd_lag.py --estimator full --lag 2
+    OMP_NUM_THREADS=1 python benchmarks/opd_lag.py --estimator topk --k 4 --lag 2
 
 The same teacher and student as benchmarks/distill.py (built there and cached under
 runs/bench_models), the quickstart's budget (16 prompts × 8 samples per step, Adam lr 1e-3), but no
@@ -13,6 +14,8 @@ takes one Adam step on
             sampled token (the product's distill.mode=only with tis)
   full      Σ_v π_θ(v | s_t)(log π_θ(v | s_t) − log π_teacher(v | s_t)) over the whole vocabulary at each
             visited state s_t (the reverse KL itself, no sampling of the next token)
+  topk      the same KL over the teacher's --k most likely tokens plus one bucket for the rest of the
+            vocabulary (what an engine's top-K logprobs allow; the product's distill.topk)
 
 averaged over the response tokens. Prints the task reward (exact sort) of each step's samples, the
 response length and the sampled-token KL; the last line is a JSON object.
@@ -38,7 +41,8 @@ MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--estimator", choices=("sampled", "full"), required=True)
+    p.add_argument("--estimator", choices=("sampled", "full", "topk"), required=True)
+    p.add_argument("--k", type=int, default=4, help="teacher tokens kept per position (--estimator topk)")
     p.add_argument("--lag", type=int, default=2, help="updates between the sampling weights and the trained ones")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -89,6 +93,11 @@ def main() -> int:
         k = lp.detach() - log_t.gather(-1, target[..., None])[..., 0]
         if args.estimator == "full":
             per_token = (log_s.exp() * (log_s - log_t)).sum(-1)
+        elif args.estimator == "topk":
+            t_top, ids = log_t.topk(args.k, dim=-1)
+            s_top = log_s.gather(-1, ids)
+            rest = lambda lp: torch.log(-torch.expm1(torch.logsumexp(lp, -1).clamp(max=-1e-6)))  # noqa: E731
+            per_token = (s_top.exp() * (s_top - t_top)).sum(-1) + rest(s_top).exp() * (rest(s_top) - rest(t_top))
         else:
             weight = torch.exp(lp.detach() - log_mu).clamp(max=1.0)
             per_token = -weight * (-k) * lp
@@ -100,7 +109,7 @@ def main() -> int:
         rewards.append(statistics.fmean(hits))
         print(f"step {step}: reward {rewards[-1]:.3f} length {mask.sum().item() / len(seqs):.2f} "
               f"sampled-token KL {(k * mask).sum().item() / mask.sum().item():.2f}", flush=True)
-    print(json.dumps({"estimator": args.estimator, "lag": args.lag, "lr": args.lr, "steps": args.steps,
+    print(json.dumps({"estimator": args.estimator, **({"k": args.k} if args.estimator == "topk" else {}), "lag": args.lag, "lr": args.lr, "steps": args.steps,
                       "final_reward": round(statistics.fmean(rewards[-5:]), 4), "rewards": [round(r, 3) for r in rewards]}))
     return 0
 

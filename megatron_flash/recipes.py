@@ -86,6 +86,30 @@ def teacher_logprobs(samples: Sequence[Any], loss_mask: torch.Tensor) -> torch.T
     return out * (loss_mask != 0)
 
 
+def teacher_topk(samples: Sequence[Any], loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, S, K] ids, [B, S, K] logprobs) of the teacher's top-K at each response token in collate's
+    layout (0 off the trained tokens); a sample without them (e.g. replayed from a run without
+    distill.topk) or with another K is named."""
+    widths = {len(s.teacher_topk_ids[0]) for s in samples if s.teacher_topk_ids}
+    k = widths.pop() if len(widths) == 1 else 0
+    b, width = loss_mask.shape
+    ids = torch.zeros(b, width, max(k, 1), dtype=torch.long)
+    lps = torch.zeros(b, width, max(k, 1), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        if s.teacher_topk_ids is None:
+            raise ValueError(f"distill.topk is set but sample {i} (prompt {s.prompt_index}) carries no teacher top-k "
+                             "(replayed from a run without distill.topk?)")
+        if s.teacher_topk_ids and len(s.teacher_topk_ids[0]) != k:
+            raise ValueError(f"sample {i} (prompt {s.prompt_index}) carries a teacher top-{len(s.teacher_topk_ids[0])}, "
+                             f"others of the batch {sorted(widths | {k})}")
+        start, r = len(s.prompt_ids), len(s.teacher_topk_ids)
+        if r:
+            ids[i, start:start + r] = torch.tensor(s.teacher_topk_ids, dtype=torch.long)
+            lps[i, start:start + r] = torch.tensor(s.teacher_topk_logprobs, dtype=torch.float32)
+    keep = (loss_mask != 0)[..., None]
+    return ids * keep, lps * keep
+
+
 def distill_metrics(samples: Sequence[Any]) -> dict[str, float]:
     """distill/reverse_kl (mean k_t per response token) and distill/teacher_logprob (mean log π_teacher),
     over model tokens of the samples that carry teacher logprobs ({} when none does)."""

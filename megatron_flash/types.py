@@ -46,6 +46,10 @@ class Sample:
     the input; the last token was never fed). Set when the rollout asked for routes (R3)."""
     teacher_logprobs: Optional[list[float]] = None
     """On-policy distillation: log π_teacher of each response token, teacher-forced (distill.teacher)."""
+    teacher_topk_ids: Optional[list[list[int]]] = None
+    """distill.topk = K: the teacher's K most likely tokens at each response position, [R][K]."""
+    teacher_topk_logprobs: Optional[list[list[float]]] = None
+    """Their teacher logprobs, [R][K] (set with teacher_topk_ids)."""
 
     def __post_init__(self) -> None:
         if len(self.behavior_logprobs) != len(self.response_ids):
@@ -59,6 +63,16 @@ class Sample:
         if self.teacher_logprobs is not None and len(self.teacher_logprobs) != len(self.response_ids):
             raise ValueError(f"sample has {len(self.response_ids)} response tokens but "
                              f"{len(self.teacher_logprobs)} teacher logprobs")
+        if (self.teacher_topk_ids is None) != (self.teacher_topk_logprobs is None):
+            raise ValueError("sample has teacher_topk_ids without teacher_topk_logprobs or the other way round")
+        if self.teacher_topk_ids is not None:
+            rows = (self.teacher_topk_ids, self.teacher_topk_logprobs)
+            if any(len(r) != len(self.response_ids) for r in rows):
+                raise ValueError(f"sample has {len(self.response_ids)} response tokens but {len(rows[0])} teacher "
+                                 f"top-k id rows and {len(rows[1])} logprob rows")
+            widths = {len(r) for part in rows for r in part}
+            if len(widths) > 1:
+                raise ValueError(f"teacher top-k rows of a sample must all have the same width, got {sorted(widths)}")
         if self.token_versions is not None and len(self.token_versions) != len(self.response_ids):
             raise ValueError(f"sample has {len(self.response_ids)} response tokens but "
                              f"{len(self.token_versions)} token versions")
@@ -123,7 +137,7 @@ class Group:
 PER_TOKEN = ("tokens", "loss_mask", "behavior_logprobs", "advantages", "proximal_logprobs", "reference_logprobs",
              "behavior_lag", "teacher_logprobs")
 PER_SAMPLE = ("lengths", "rewards", "group_ids", "staleness")
-PER_TOKEN_ROWS = ("routed_experts",)  # [B, S, k]: a row of values per token
+PER_TOKEN_ROWS = ("routed_experts", "teacher_topk_ids", "teacher_topk_logprobs")  # [B, S, k]: a row per token
 
 
 @dataclasses.dataclass
@@ -152,6 +166,11 @@ class TrainBatch:
     teacher_logprobs: Optional[torch.Tensor] = None
     """[B, S] log π_teacher of each response token (0 off the response); set when on-policy distillation
     takes the student's logprobs from the training forward (losses/distill.py)."""
+    teacher_topk_ids: Optional[torch.Tensor] = None
+    """[B, S, K] the teacher's K most likely tokens at each response token's position (0 off the
+    response); set with distill.topk: the loss takes the student's logprobs of them from its forward."""
+    teacher_topk_logprobs: Optional[torch.Tensor] = None
+    """[B, S, K] the teacher's logprobs of teacher_topk_ids (0 off the response)."""
     rewards: Optional[torch.Tensor] = None
     """[B] reward of each sample."""
     group_ids: Optional[torch.Tensor] = None

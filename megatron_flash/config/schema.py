@@ -875,6 +875,12 @@ class DistillConfig(_Section):
     """current (log π_student from the training forward, the policy being trained; no extra forward) |
     behavior (the student engine's logprob when it sampled the token, up to async_rl.alpha versions
     old: at α = 2 it pushed a sort4 student into ending its answers early)."""
+    topk: int = 0
+    """0: the sampled-token estimate k_t in the advantage (above). K > 0: the teacher scores its K most
+    likely tokens at every response position too (SGLang `top_logprobs_num`), and the loss gains
+    coef · the reverse KL over those K tokens plus the rest of the vocabulary, from the training forward
+    (losses/distill.py); the task advantage stays (add) or is dropped (only). Needs
+    student_logprobs=current. Measured on sort4: k_t collapses at async_rl.alpha >= 1, top-K holds."""
     num_engines: int = 1
     """Teacher engines to launch; with urls, the length of urls."""
     base_port: int = 31000
@@ -891,11 +897,15 @@ class DistillConfig(_Section):
         self._one_of("student_logprobs", DISTILL_STUDENT_LOGPROBS)
         self._positive("coef")
         self._at_least("num_engines", 1)
+        self._at_least("topk", 0)
+        self._require(not (self.topk and self.student_logprobs != "current"), "topk",
+                      "needs distill.student_logprobs=current: the top-K reverse KL is taken from the training "
+                      "forward (student_logprobs=behavior has only the sampled token's logprob)")
         self._require(1 <= self.base_port and self.base_port + self.num_engines - 1 <= 65535, "base_port",
                       f"must leave room for distill.num_engines={self.num_engines} ports in 1..65535")
         if not self.enabled:
             for name, default in (("urls", []), ("coef", 1.0), ("mode", "add"), ("student_logprobs", "current"),
-                                  ("num_engines", 1), ("base_port", 31000), ("server_args", {})):
+                                  ("topk", 0), ("num_engines", 1), ("base_port", 31000), ("server_args", {})):
                 if getattr(self, name) != default:
                     raise ValueError(f"distill.{name} is set but distill.teacher is empty: distillation is off "
                                      "(set distill.teacher to the teacher checkpoint)")

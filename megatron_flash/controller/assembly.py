@@ -75,6 +75,9 @@ def build_rollout(cfg: "RunConfig", *, tokenizer: Any, staleness: "StalenessMana
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
         check_same_tokenizer(tokenizer, teacher_tokenizer, student_path=cfg.model.hf_path,
                              teacher_path=cfg.distill.teacher)
+        if cfg.distill.topk > len(tokenizer):
+            raise ValueError(f"distill.topk={cfg.distill.topk} is more than the vocabulary of distill.teacher="
+                             f"{cfg.distill.teacher!r} ({len(tokenizer)} tokens)")
     buffer = SampleBuffer(staleness, stale_policy=cfg.async_rl.stale_policy, on_evict=on_evict)
     runtime = RolloutRuntime(cfg.engines, cfg.rollout, run_dir=run_dir, staleness=staleness,
                              buffer=buffer, dataset=dataset, model_path=cfg.model.hf_path,

@@ -139,10 +139,11 @@ class Controller:
         loss_line = assembly.check_loss(cfg, self.loss)
         if os.environ.get("RANK", "0") == "0":  # the first line of the run: what each ratio is taken against
             logger.info("%s", loss_line)
-            if cfg.distill.enabled and cfg.async_rl.alpha > 0:
-                logger.warning("distill.teacher with async_rl.alpha=%d: the sampled-token reverse KL collapsed on "
-                               "stale samples where it was measured (docs/distillation.md, 'Status'); "
-                               "async_rl.alpha=0 is the setting that learned", cfg.async_rl.alpha)
+            if cfg.distill.enabled and cfg.async_rl.alpha > 0 and not cfg.distill.topk:
+                logger.warning("distill.teacher with async_rl.alpha=%d and distill.topk=0: the sampled-token reverse "
+                               "KL collapsed on stale samples where it was measured (docs/distillation.md); "
+                               "distill.topk > 0 (the teacher's top-K reverse KL) is the setting that learned at "
+                               "alpha > 0", cfg.async_rl.alpha)
         self.staleness = StalenessManager(alpha=cfg.async_rl.alpha, batch_size=self.batch_size,
                                           extra=cfg.rollout.extra_prompts * cfg.rollout.n_samples_per_prompt,
                                           admission=cfg.async_rl.admission)
@@ -298,7 +299,10 @@ class Controller:
         d = self.cfg.distill
         if d.enabled:  # the teacher's per-token reverse KL in the advantage (after the filter: masked tokens stay 0)
             teacher = recipes.teacher_logprobs(samples, batch.loss_mask)
-            if d.student_logprobs == "current":  # the loss forms Â_t from its own forward (losses/distill.py)
+            if d.topk:  # the top-K reverse KL, a loss term from the training forward (losses/distill.py)
+                ids, lps = recipes.teacher_topk(samples, batch.loss_mask)
+                batch = batch.replace(teacher_topk_ids=ids, teacher_topk_logprobs=lps)
+            elif d.student_logprobs == "current":  # the loss forms Â_t from its own forward (losses/distill.py)
                 batch = batch.replace(teacher_logprobs=teacher)
             else:
                 batch = batch.replace(advantages=distill_advantages(

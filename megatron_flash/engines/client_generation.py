@@ -34,13 +34,16 @@ class GenerationCalls(EngineTransport):
                                     return_logprob=return_logprob, return_routed_experts=return_routed_experts)
 
     async def score(self, batch_input_ids: Sequence[Sequence[int]], *, logprob_start_len: int,
-                    timeout_s: Optional[float] = None) -> Any:
+                    top_logprobs_num: int = 0, timeout_s: Optional[float] = None) -> Any:
         """Teacher-forced input logprobs of a batch of sequences: one /generate with
-        `max_new_tokens` 1 from `logprob_start_len`. Returns SGLang's reply as is (a list, one item
-        per sequence, each with `meta_info.input_token_logprobs`); the caller checks it."""
+        `max_new_tokens` 1 from `logprob_start_len` (and with `top_logprobs_num` > 0 the k most likely
+        tokens at each position). Returns SGLang's reply as is (a list, one item per sequence, each with
+        `meta_info.input_token_logprobs` and `input_top_logprobs`); the caller checks it."""
         body = {"input_ids": [list(ids) for ids in batch_input_ids], "return_logprob": True,
                 "logprob_start_len": logprob_start_len,
                 "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}}
+        if top_logprobs_num:
+            body["top_logprobs_num"] = top_logprobs_num
         return await self._call("POST", "/generate", body=body, timeout_s=timeout_s or self.request_timeout_s)
 
     async def generate_n(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], n: int, *,

@@ -213,3 +213,32 @@ def parse_input_logprobs(item: Any, *, url: str, ids: List[int], start: int, wha
     if not all(is_number(v) for v in values):
         raise MalformedReply(url, what, "meta_info.input_token_logprobs", f"meta_info.input_token_logprobs holds non-numeric logprobs {short_repr(values)}")
     return [float(v) for v in values]
+
+
+def parse_input_top_logprobs(item: Any, *, url: str, ids: List[int], start: int, k: int,
+                             what: str = "/generate") -> tuple[List[List[int]], List[List[float]]]:
+    """The k most likely tokens and their teacher-forced logprobs at each position predicting
+    `ids[start + 1:]`, from one item of a scoring reply asked with `top_logprobs_num=k`:
+    `meta_info.input_top_logprobs` holds, for positions start … end, null first (no logits before
+    it), then k [logprob, token_id, text|null] each. Returns (ids, logprobs), one row of k per scored
+    token. Raises MalformedReply naming what is wrong."""
+    field = "meta_info.input_top_logprobs"
+    entries = (item.get("meta_info") or {}).get("input_top_logprobs") if isinstance(item, dict) else None
+    expect = len(ids) - start
+    if not isinstance(entries, list) or len(entries) != expect:
+        raise MalformedReply(url, what, field, f"{field} has {describe_len(entries)} entries, expected {expect} "
+                             f"(logprob_start_len={start} of {len(ids)} tokens)")
+    top_ids: List[List[int]] = []
+    top_lps: List[List[float]] = []
+    for position, row in enumerate(entries[1:], start=start + 1):
+        if (not isinstance(row, list) or len(row) != k
+                or any(not isinstance(e, (list, tuple)) or len(e) < 2 for e in row)):
+            raise MalformedReply(url, what, field, f"{field} at position {position} must hold {k} "
+                                 f"[logprob, token_id, ...] entries, got {short_repr(row)}")
+        values, tokens = [e[0] for e in row], [e[1] for e in row]
+        if not all(is_number(v) for v in values) or not all(is_int(t) and t >= 0 for t in tokens):
+            raise MalformedReply(url, what, field, f"{field} at position {position} holds a non-numeric logprob "
+                                 f"or a bad token id: {short_repr(row)}")
+        top_ids.append([int(t) for t in tokens])
+        top_lps.append([float(v) for v in values])
+    return top_ids, top_lps

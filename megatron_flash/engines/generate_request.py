@@ -44,9 +44,20 @@ def _logprob_start_len(body: dict, index: int, prompt_len: int) -> int:
     return value
 
 
+def _top_logprobs_num(value: Any, spec: SamplingSpec) -> int:
+    """SGLang's `top_logprobs_num`. The local engine answers it for prompt scoring only (the top-k
+    of a teacher-forced forward): a request that samples more than one new token is refused."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"top_logprobs_num must be an integer >= 0, got {value!r}")
+    if value and spec.max_new_tokens > 1:
+        raise ValueError(f"top_logprobs_num={value} is supported by the local engine for scoring requests only "
+                         f"(sampling_params.max_new_tokens <= 1), got max_new_tokens={spec.max_new_tokens}")
+    return value
+
+
 def parse_generate(engine: Any, body: dict) -> list[dict]:
     """One dict per prompt: rid, prompt ids, sampling spec, logprob flags."""
-    for key, neutral in (("top_logprobs_num", (None, 0)), ("token_ids_logprob", (None,)),
+    for key, neutral in (("token_ids_logprob", (None,)),
                          ("input_embeds", (None,)),
                          ("image_data", (None,)), ("lora_path", (None,))):
         if body.get(key) not in neutral:
@@ -106,26 +117,36 @@ def parse_generate(engine: Any, body: dict) -> list[dict]:
         n, prompts, params, logprob = num_samples, prompts * num_samples, params * num_samples, \
             logprob * num_samples
         routed = routed * num_samples
+    top = per_item("top_logprobs_num", 0) if num_samples == 1 else [body.get("top_logprobs_num") or 0] * n
     items = []
     for i in range(n):
         spec = SamplingSpec.from_json(params[i], vocab_size=engine.vocab_size)
         engine.validate(prompts[i], spec)
-        items.append({"rid": str(rids[i]), "prompt_ids": prompts[i], "spec": spec,
+        items.append({"top_logprobs_num": _top_logprobs_num(top[i], spec), "rid": str(rids[i]), "prompt_ids": prompts[i], "spec": spec,
                       "return_logprob": bool(logprob[i]), "return_text_in_logprobs": bool(text_lp),
                       "logprob_start_len": _logprob_start_len(body, i, len(prompts[i])),
                       "return_routed_experts": bool(routed[i])})
     return items if not single or num_samples > 1 else items[:1]
 
-async def input_logprobs(engine: Any, item: dict) -> list | None:
-    """meta_info.input_token_logprobs when asked with return_logprob and logprob_start_len >= 0."""
-    if not item["return_logprob"] or item["logprob_start_len"] < 0:
+async def input_logprobs(engine: Any, item: dict) -> dict | None:
+    """The input-logprob meta_info fields when asked with return_logprob (logprob_start_len >= 0, or
+    top_logprobs_num for the first output token); None when not asked."""
+    top = item["top_logprobs_num"] if item["return_logprob"] else 0
+    if not item["return_logprob"] or (item["logprob_start_len"] < 0 and not top):
         return None
-    return await engine.input_token_logprobs(item["prompt_ids"], item["logprob_start_len"],
-                                             return_text=item["return_text_in_logprobs"])
+    start = item["logprob_start_len"] if item["logprob_start_len"] >= 0 else len(item["prompt_ids"])
+    return await engine.input_token_logprobs(item["prompt_ids"], start, return_text=item["return_text_in_logprobs"],
+                                             top_k=top)
 
-def with_inputs(out: dict, inputs: list | None) -> dict:
+def with_inputs(out: dict, inputs: dict | None) -> dict:
+    """The reply with the input fields; `output_top_logprobs` (top_logprobs_num) is the top-k after
+    the prompt for the one token a scoring request may sample, [] before it is sampled."""
     if inputs is not None:
-        out["meta_info"]["input_token_logprobs"] = inputs
+        meta = out["meta_info"]
+        meta["input_token_logprobs"] = inputs["input_token_logprobs"]
+        if "input_top_logprobs" in inputs:
+            meta["input_top_logprobs"] = inputs["input_top_logprobs"]
+            meta["output_top_logprobs"] = [inputs["last_top_logprobs"]] * len(out["output_ids"])
     return out
 
 async def run_one(engine: Any, item: dict) -> dict:

@@ -163,30 +163,46 @@ class EngineUpdates:
             logger.exception("weight update failed")
             return False, f"Failed to update weights: {error}"
 
-    async def input_token_logprobs(self, prompt_ids: list[int], start: int, *,
-                                   return_text: bool = False) -> list[list[Any]]:
-        """SGLang's `meta_info.input_token_logprobs` for `logprob_start_len=start`: one
-        [logprob, token_id, text] per prompt position start…end, the first logprob None (SGLang's logits
-        start at that position). A teacher-forced forward of the served model, CB parked, no update running."""
-        if start >= len(prompt_ids):
-            return []
+    async def input_token_logprobs(self, prompt_ids: list[int], start: int, *, return_text: bool = False,
+                                   top_k: int = 0) -> dict[str, Any]:
+        """SGLang's input logprobs for `logprob_start_len=start` as meta_info fields:
+        `input_token_logprobs`, one [logprob, token_id, text] per prompt position start…end, the first
+        logprob None (SGLang's logits start at that position); with `top_k` > 0 also
+        `input_top_logprobs` (per position None first, then the k most likely [logprob, token_id, text],
+        most likely first) and `last_top_logprobs`, the k most likely next tokens after the prompt. A
+        teacher-forced forward of the served model (temperature 1), CB parked, no update running."""
+        if start >= len(prompt_ids) and not top_k:
+            return {"input_token_logprobs": []}
 
         @torch.no_grad()
-        def forward() -> list[float]:
+        def forward() -> tuple[list[float], list[list[float]], list[list[int]]]:
             if "weights" in self._released:
                 raise ValueError("the weights are released (release_memory_occupation): resume them first")
             with self._parked():
                 logits = self.model(input_ids=torch.tensor([prompt_ids], device=self.device)).logits[0].float()
-            logprobs = torch.log_softmax(logits[:-1], dim=-1)
-            return logprobs.gather(-1, torch.tensor(prompt_ids[1:], device=self.device)[:, None])[:, 0].tolist()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            picked = logprobs[:-1].gather(-1, torch.tensor(prompt_ids[1:], device=self.device)[:, None])[:, 0]
+            if not top_k:
+                return picked.tolist(), [], []
+            top = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
+            return picked.tolist(), top.values.tolist(), top.indices.tolist()
 
         self._ensure_loop_state()
         async with self._update_lock:
-            values = await asyncio.to_thread(forward)
+            values, top_values, top_ids = await asyncio.to_thread(forward)
+
+        def text(t: int) -> Any:
+            return self.tokenizer.decode([t]) if return_text and self.tokenizer is not None else None
+
         ids = prompt_ids[start:]
-        texts = ([self.tokenizer.decode([t]) for t in ids] if return_text and self.tokenizer is not None
-                 else [None] * len(ids))
-        return [[lp, t, text] for lp, t, text in zip([None] + values[start:], ids, texts)]
+        out: dict[str, Any] = {"input_token_logprobs": [[lp, t, text(t)] for lp, t in zip([None] + values[start:], ids)]}
+        if top_k:
+            # Row j of the forward predicts token j + 1: position p's entry is row p − 1 (none for the first).
+            rows = [[[lp, t, text(t)] for lp, t in zip(top_values[p - 1], top_ids[p - 1])]
+                    for p in range(start + 1, len(prompt_ids))]
+            out["input_top_logprobs"] = ([None] + rows) if start < len(prompt_ids) else []
+            out["last_top_logprobs"] = [[lp, t, text(t)] for lp, t in zip(top_values[-1], top_ids[-1])]
+        return out
 
     def _set_version(self, new_version: str | None) -> None:
         if new_version is None or new_version == self.weight_version:

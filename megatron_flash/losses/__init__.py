@@ -14,7 +14,7 @@ from megatron_flash.losses.advantages import ADVANTAGE_ESTIMATORS, compute_advan
 from megatron_flash.losses.aggregation import AGGREGATION_MODES, aggregate
 from megatron_flash.losses.common import LOG_RATIO_CLAMP, LossFn, LossInputs, LossTerms
 from megatron_flash.losses.corrections import COMMON_PARAMS, KL_ESTIMATORS, MISMATCH_MODES
-from megatron_flash.losses.distill import DISTILL_MODES, STUDENT_LOGPROBS, distill_advantages
+from megatron_flash.losses.distill import DISTILL_MODES, STUDENT_LOGPROBS, distill_advantages, topk_reverse_kl
 from megatron_flash.losses.registry import Loss, get_loss, list_losses, loss_param_names, register_loss
 
 # Importing a loss module registers it.
@@ -36,6 +36,7 @@ __all__ = [
     "aggregate",
     "compute_advantages",
     "distill_advantages",
+    "topk_reverse_kl",
     "get_loss",
     "list_losses",
     "loss_param_names",

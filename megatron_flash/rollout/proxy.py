@@ -40,11 +40,11 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Set, TypeVar
+from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar
 
 from megatron_flash.engines.client import (EngineClient, EngineError, EngineHTTPError,
                                                   EngineTimeout, EngineUnreachable, GenerateResult)
-from megatron_flash.engines.client_replies import parse_input_logprobs
+from megatron_flash.engines.client_replies import parse_input_logprobs, parse_input_top_logprobs
 from megatron_flash.rollout.request_trace import RequestWatch
 from megatron_flash.rollout.slots import EngineMetrics, EngineSlots, EngineState, ProxyMetrics
 
@@ -203,17 +203,28 @@ class LLMProxy:
         """Teacher-forced logprobs of `input_ids[start:]` (each token given the ones before it) from
         whichever engine frees a slot first, with generate's retries and health handling (a teacher's
         scoring of a finished response). Raises EngineError when no engine could answer."""
+        values, _, _ = await self.score_top(input_ids, start=start, k=0, rid=rid)
+        return values
+
+    async def score_top(self, input_ids: Sequence[int], *, start: int, k: int, rid: Optional[str] = None
+                        ) -> Tuple[List[float], List[List[int]], List[List[float]]]:
+        """`score` plus, with k > 0, the k most likely tokens and their logprobs at each scored
+        position (SGLang `top_logprobs_num`): (logprobs, top ids [R][k], top logprobs [R][k])."""
         if not 1 <= start < len(input_ids):
             raise ValueError(f"score: start must be in [1, {len(input_ids) - 1}], got {start}")
         rid = rid or uuid.uuid4().hex
         ids = list(input_ids)
 
-        async def call(engine: EngineState) -> List[float]:
-            reply = await engine.client.score([ids], logprob_start_len=start - 1)
+        async def call(engine: EngineState) -> Tuple[List[float], List[List[int]], List[List[float]]]:
+            reply = await engine.client.score([ids], logprob_start_len=start - 1, top_logprobs_num=k)
             item = reply[0] if isinstance(reply, list) and len(reply) == 1 else reply
-            return parse_input_logprobs(item, url=engine.client.url, ids=ids, start=start - 1)
+            values = parse_input_logprobs(item, url=engine.client.url, ids=ids, start=start - 1)
+            if not k:
+                return values, [], []
+            top_ids, top_lps = parse_input_top_logprobs(item, url=engine.client.url, ids=ids, start=start - 1, k=k)
+            return values, top_ids, top_lps
 
-        def aborted(message: str) -> List[float]:
+        def aborted(message: str) -> Tuple[List[float], List[List[int]], List[List[float]]]:
             raise EngineError(self.urls[0] if self.urls else "", "/generate", f"scoring {rid}: {message}")
 
         return await self._serve(rid, call, aborted)

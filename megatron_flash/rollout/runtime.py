@@ -53,6 +53,8 @@ class GroupDump:
                                "version_start": s.version_start, "version_end": s.version_end,
                                "token_versions": s.token_versions, "response_mask": s.response_mask,
                                **({} if s.teacher_logprobs is None else {"teacher_logprobs": s.teacher_logprobs}),
+                               **({} if s.teacher_topk_ids is None else {"teacher_topk_ids": s.teacher_topk_ids,
+                                                                         "teacher_topk_logprobs": s.teacher_topk_logprobs}),
                                **({} if s.routed_experts is None else
                                   {"routed_experts": encode_routes(s.routed_experts),
                                    "routed_experts_width": int(s.routed_experts.shape[1])})}
@@ -317,7 +319,7 @@ class RolloutRuntime:
 
                     self._teacher_proxy = await stack.enter_async_context(
                         LLMProxy.from_config(self.teacher_engines_cfg(), self.teacher_urls, trace_name="teacher"))
-                    teacher = TeacherScorer(self._teacher_proxy)
+                    teacher = TeacherScorer(self._teacher_proxy, top_k=self.distill.topk)
                 settings = SchedulerSettings(
                     n_samples_per_prompt=r.n_samples_per_prompt, sampling_params=sampling_params(r),
                     max_new_tokens=r.max_new_tokens, prompt_replication=r.prompt_replication,

@@ -461,11 +461,11 @@ class RolloutScheduler:
         finished = finish == "stop"
         scoring = self.reward_pool.score(self.decode(ids), prompt.answer, finished=finished,
                                          prompt=prompt.text, meta=getattr(prompt, "meta", None))
-        teacher = None
+        teacher = top_ids = top_lps = None
         if self.teacher is None:
             outcome = await scoring
-        else:  # the teacher's logprobs of these exact tokens, beside the reward
-            outcome, teacher = await asyncio.gather(scoring, self.teacher.logprobs(
+        else:  # the teacher's logprobs of these exact tokens (and its top-k), beside the reward
+            outcome, (teacher, top_ids, top_lps) = await asyncio.gather(scoring, self.teacher.score(
                 prompt.prompt_ids, ids, rid=f"teacher-g{group_id}-{uuid.uuid4().hex[:8]}"))
         self.stats.reward_timeouts += outcome.timed_out
         self.stats.reward_errors += outcome.failed and not outcome.timed_out
@@ -483,7 +483,7 @@ class RolloutScheduler:
                       version_end=max(known) if known else self.staleness.version, token_versions=token_versions,
                       prompt_index=getattr(prompt, "index", -1), finish_reason=finish,
                       reward_failed=bool(outcome.failed), num_resumes=resumes, routed_experts=routes,
-                      teacher_logprobs=teacher)
+                      teacher_logprobs=teacher, teacher_topk_ids=top_ids, teacher_topk_logprobs=top_lps)
 
 
 def _token_versions(result: Any, seg_version: int) -> list[Optional[int]]:

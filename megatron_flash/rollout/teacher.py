@@ -11,32 +11,46 @@ the trainer turns them into the advantage (losses/distill.py).
     ←  input_token_logprobs for positions P−1 … P+R−1: the first is null (no logits before it), the
        rest are log π_teacher(y_t | p, y_<t), t = 1..R
 
+With `distill.topk` = K > 0 the same request asks `top_logprobs_num` = K: `input_top_logprobs`
+adds, per response token, the teacher's K most likely tokens and their logprobs
+(`Sample.teacher_topk_ids` / `teacher_topk_logprobs`, [R][K]), what the trainer's top-K reverse KL
+needs (losses/distill.py).
+
 Teacher and student must share a tokenizer (`check_same_tokenizer`): the teacher scores the
 student's token ids as they are.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 
 class TeacherScorer:
-    """`await logprobs(prompt_ids, response_ids)` → log π_teacher of each response token."""
+    """`await score(prompt_ids, response_ids)` → (log π_teacher of each response token, and with
+    `top_k` > 0 the teacher's top-k ids and logprobs per response token, else None, None)."""
 
-    def __init__(self, proxy: Any) -> None:
+    def __init__(self, proxy: Any, *, top_k: int = 0) -> None:
         self.proxy = proxy
+        self.top_k = top_k
         self.requests = 0
         self.tokens = 0
 
-    async def logprobs(self, prompt_ids: Sequence[int], response_ids: Sequence[int], *, rid: str) -> list[float]:
+    async def score(self, prompt_ids: Sequence[int], response_ids: Sequence[int], *, rid: str
+                    ) -> tuple[list[float], Optional[list[list[int]]], Optional[list[list[float]]]]:
         if not response_ids:
-            return []
-        values = await self.proxy.score(list(prompt_ids) + list(response_ids), start=len(prompt_ids), rid=rid)
-        if len(values) != len(response_ids):  # the proxy's parser checked the ids; this is a contract guard
-            raise RuntimeError(f"teacher scoring {rid}: {len(values)} logprobs for {len(response_ids)} tokens")
+            return [], ([] if self.top_k else None), ([] if self.top_k else None)
+        values, top_ids, top_lps = await self.proxy.score_top(list(prompt_ids) + list(response_ids),
+                                                              start=len(prompt_ids), k=self.top_k, rid=rid)
+        if len(values) != len(response_ids) or (self.top_k and len(top_ids) != len(response_ids)):
+            # the proxy's parser checked the ids; this is a contract guard
+            raise RuntimeError(f"teacher scoring {rid}: {len(values)} logprobs and {len(top_ids)} top-k rows for "
+                               f"{len(response_ids)} tokens")
         self.requests += 1
         self.tokens += len(values)
-        return values
+        return values, (top_ids if self.top_k else None), (top_lps if self.top_k else None)
+
+    async def logprobs(self, prompt_ids: Sequence[int], response_ids: Sequence[int], *, rid: str) -> list[float]:
+        return (await self.score(prompt_ids, response_ids, rid=rid))[0]
 
 
 def check_same_tokenizer(student: Any, teacher: Any, *, student_path: str, teacher_path: str) -> None:

@@ -49,9 +49,10 @@ def vocab_parallel_logprobs_reference(
     temperature: float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """logits [B, S, V_local] (this rank's vocabulary slice), targets [B, S] global ids.
+    """logits [B, S, V_local] (this rank's vocabulary slice), targets [B, S] (or [B, S, J]: J tokens
+    per position) global ids.
 
-    Returns (logprobs [B, S] float32, entropy [B, S] or None). Differentiable w.r.t. logits.
+    Returns (logprobs of targets' shape, float32, entropy [B, S] or None). Differentiable w.r.t. logits.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -71,11 +72,13 @@ def vocab_parallel_logprobs_reference(
     sum_exp = _reduce(shifted.exp().sum(dim=-1), tp_group, tp_size)
     log_z = sum_exp.log()
 
-    local = targets - start
+    rows = targets.dim() == 3
+    local = (targets if rows else targets.unsqueeze(-1)) - start
     owned = (local >= 0) & (local < v_local)
-    picked = shifted.gather(-1, local.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
+    picked = shifted.gather(-1, local.clamp(0, v_local - 1))
     target_shifted = _reduce(torch.where(owned, picked, torch.zeros_like(picked)), tp_group, tp_size)
-    logprobs = target_shifted - log_z
+    logprobs = target_shifted - log_z.unsqueeze(-1)
+    logprobs = logprobs if rows else logprobs.squeeze(-1)
 
     entropy = None
     if with_entropy:
@@ -101,16 +104,20 @@ def vocab_parallel_logprobs(
     chunk_elements: int = CHUNK_ELEMENTS,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """logits [B, S, V_local] (this rank's vocabulary slice, any float dtype, views welcome), targets
-    [B, S] global ids. Returns (logprobs [B, S] float32, entropy [B, S] float32 or None);
+    [B, S] global ids, or [B, S, J] for J tokens per position (the sampled one and a teacher's top-k:
+    one pass over the logits for all). Returns (logprobs of targets' shape float32, entropy [B, S]
+    float32 or None);
     differentiable w.r.t. logits. Equal to the reference to fp32 rounding; memory beyond the inputs
     and the gradient is a few [chunk, V_local] fp32 tensors."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_elements < 1:
         raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
-    lp, ent = _ChunkedLogprobs.apply(logits, targets, _Settings(vocab_size, tp_rank, tp_size, tp_group, temperature,
-                                                                with_entropy, chunk_elements))
-    return lp, (ent if with_entropy else None)
+    rows = targets.dim() == 3
+    lp, ent = _ChunkedLogprobs.apply(logits, targets if rows else targets.unsqueeze(-1),
+                                     _Settings(vocab_size, tp_rank, tp_size, tp_group, temperature, with_entropy,
+                                               chunk_elements))
+    return (lp if rows else lp.squeeze(-1)), (ent if with_entropy else None)
 
 
 class _Settings:
@@ -133,6 +140,7 @@ def _chunks(logits: torch.Tensor, chunk_elements: int):
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, st: _Settings):  # type: ignore[override]
+        """targets [B, S, J]; returns logprobs [B, S, J] and entropy [B, S]."""
         ctx.set_materialize_grads(False)  # an output nobody used gets None, not a tensor of zeros
         b, s, v_local = logits.shape
         start = st.tp_rank * v_local
@@ -142,7 +150,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         m = torch.empty(b, s, dtype=torch.float32, device=dev)
         s1 = torch.empty_like(m)
         s2 = torch.zeros_like(m)
-        tgt = torch.zeros_like(m)
+        tgt = torch.zeros(targets.shape, dtype=torch.float32, device=dev)
         local = targets - start
         owned = (local >= 0) & (local < v_local)
         local = local.clamp(0, v_local - 1)
@@ -156,7 +164,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             mc = torch.where(torch.isfinite(mc), mc, torch.zeros_like(mc))
             z -= mc.unsqueeze(-1)  # z is now s = z − m (this rank's max, rescaled below)
             m[i, lo:hi] = mc
-            tgt[i, lo:hi] = z.gather(-1, local[i, lo:hi].unsqueeze(-1)).squeeze(-1)
+            tgt[i, lo:hi] = z.gather(-1, local[i, lo:hi])
             e = z.exp()
             s1[i, lo:hi] = e.sum(dim=-1)
             if st.with_entropy:
@@ -171,12 +179,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
             scale = d.exp()
             s2 = scale * (s2 + d * s1)
             s1 = scale * s1
-            tgt = torch.where(owned, tgt + d, tgt)
+            tgt = torch.where(owned, tgt + d.unsqueeze(-1), tgt)
             for x in (s1, s2, tgt):
                 dist.all_reduce(x, group=st.tp_group)
             m = m_global
         log_z = s1.log()
-        logprobs = tgt - log_z
+        logprobs = tgt - log_z.unsqueeze(-1)
         mean_s = s2 / s1  # Σ_v p_v s_v
         entropy = log_z - mean_s
         ctx.save_for_backward(logits, local, owned, m, s1, mean_s)
@@ -197,10 +205,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
             p = z.exp() / s1[i, lo:hi].unsqueeze(-1)
             gz = torch.zeros_like(p)
             if g_lp is not None:
-                gl = g_lp[i, lo:hi]
-                gz -= p * gl.unsqueeze(-1)
+                gl = g_lp[i, lo:hi]  # [n, J]: every target's logprob takes −p from each column, +1 at its own
+                gz -= p * gl.sum(dim=-1, keepdim=True)
                 hit = torch.where(owned[i, lo:hi], gl, torch.zeros_like(gl))
-                gz.scatter_add_(-1, local[i, lo:hi].unsqueeze(-1), hit.unsqueeze(-1))
+                gz.scatter_add_(-1, local[i, lo:hi], hit)
             if use_ent:
                 if ctx.any_padded:
                     z = z.masked_fill(ctx.padded, 0.0)

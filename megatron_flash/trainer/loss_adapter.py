@@ -1,9 +1,11 @@
 """Adapt a registry loss to the trainer's per-micro-batch contract (the trainer never sees names).
 
 The micro-batch (a TrainBatch) carries `loss_mask`, `behavior_logprobs`, `advantages` and optionally
-`proximal_logprobs`, `rewards` [B], `reference_logprobs`, `teacher_logprobs`; the returned function
-computes the per-token loss with the current logprobs (with teacher logprobs, the advantage first gains
-on-policy distillation's reverse-KL term taken against those logprobs, losses/distill.py), then
+`proximal_logprobs`, `rewards` [B], `reference_logprobs`, `teacher_logprobs`, `teacher_topk_*`; the
+returned function computes the per-token loss with the current logprobs (with teacher logprobs, the
+advantage first gains on-policy distillation's reverse-KL term taken against those logprobs; with the
+teacher's top-K, the loss gains coef · the top-K reverse KL of the student's logprobs of those tokens,
+which the trainer passes as `topk_logprobs`; losses/distill.py), then
 `(loss_sum, denominator)` by the aggregation mode,
 so Megatron's per-token normalisation makes every micro-batch / DP split give the same gradient.
 """
@@ -14,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from megatron_flash.losses import Loss, aggregate, distill_advantages
+from megatron_flash.losses import Loss, aggregate, distill_advantages, topk_reverse_kl
 from megatron_flash.losses.proximal import approximate_proximal
 from megatron_flash.types import TrainBatch
 
@@ -33,7 +35,8 @@ class RLLossFn:
         self.theta_advance = 0.0
         self.distill = distill  # (coef, mode) when the student's logprobs come from this forward
 
-    def __call__(self, mb: TrainBatch, logprobs: torch.Tensor, entropy: Optional[torch.Tensor]):
+    def __call__(self, mb: TrainBatch, logprobs: torch.Tensor, entropy: Optional[torch.Tensor],
+                 topk_logprobs: Optional[torch.Tensor] = None):
         if mb.behavior_logprobs is None or mb.advantages is None:
             raise ValueError("an RL loss needs the batch's behavior_logprobs and advantages")
         proximal = mb.proximal_logprobs
@@ -43,7 +46,19 @@ class RLLossFn:
             proximal = approximate_proximal(logprobs=logprobs, behavior_logprobs=mb.behavior_logprobs,
                                             behavior_lag=mb.behavior_lag, theta_advance=self.theta_advance)
         advantages = mb.advantages
-        if mb.teacher_logprobs is not None:
+        topk_kl = None
+        if mb.teacher_topk_ids is not None:
+            if self.distill is None:
+                raise ValueError("the batch carries the teacher's top-k but this loss was built without distill settings")
+            if topk_logprobs is None or topk_logprobs.shape != mb.teacher_topk_logprobs.shape:
+                raise ValueError("the batch carries the teacher's top-k: the trainer must pass the student's logprobs "
+                                 f"of those tokens (topk_logprobs {tuple(mb.teacher_topk_logprobs.shape)}), got "
+                                 f"{None if topk_logprobs is None else tuple(topk_logprobs.shape)}")
+            coef, mode = self.distill
+            topk_kl = coef * topk_reverse_kl(topk_logprobs, mb.teacher_topk_logprobs) * mb.loss_mask
+            if mode == "only":
+                advantages = torch.zeros_like(advantages)
+        elif mb.teacher_logprobs is not None:
             if self.distill is None:
                 raise ValueError("the batch carries teacher logprobs but this loss was built without distill settings")
             coef, mode = self.distill
@@ -59,6 +74,10 @@ class RLLossFn:
             proximal_logprobs=proximal,
             reference_logprobs=mb.reference_logprobs,
         )
+        if topk_kl is not None:
+            per_token = per_token + topk_kl
+            n = mb.loss_mask.sum().clamp(min=1)
+            metrics = {**metrics, "distill/topk_reverse_kl": topk_kl.detach().sum() / (n * self.distill[0])}
         loss_sum, denominator = aggregate(per_token, mb.loss_mask, mode=self.aggregation, norm=self.norm)
         if entropy is not None:
             mask = mb.loss_mask

@@ -53,6 +53,16 @@ class Micro:
     def row_len(self) -> int:
         return int(self.tokens.shape[1])
 
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, w, ...] loss-view values → the model rows' layout [r, T, ...] (value of column c where
+        token c sits), 0 on padding: the inverse of `unpack` (e.g. the teacher's top-K ids per token)."""
+        if self.index is None:
+            return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, self.row_len - x.shape[1]))
+        row = x.new_zeros((1, self.row_len) + tuple(x.shape[2:]))
+        valid = self.valid.to(x.device)
+        row[0, self.index.to(x.device)[valid]] = x[valid]
+        return row
+
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """[1, T, ...] per-position values of the packed row → [n, w, ...]; padding positions 0.
         Column 0 of each sample is 0 too (nothing in the sample predicts its first token)."""
@@ -167,7 +177,8 @@ def _padded(batch: TrainBatch, opts: BatchingOptions, *, dp_rank: int, dp_size: 
     fields = _fields(batch, rows, seq, device)
     fields = fields.replace(loss_mask=fields.loss_mask * real.to(device)[:, None])
     if width != seq:
-        fields = fields.map(lambda t: torch.nn.functional.pad(t, (0, width - seq)), lambda t: t)
+        fields = fields.map(lambda t: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - seq)),
+                            lambda t: t)
     positions = torch.arange(width, device=device).unsqueeze(0).expand(mbs, width)
     row_lengths = torch.tensor(sample_lengths(batch))[rows]  # a filler row is a copy of row 0
     lengths = row_lengths * real

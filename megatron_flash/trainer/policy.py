@@ -256,22 +256,31 @@ class MegatronPolicy:
         return build_micro_batches(batch, self._batching(), dp_rank=self.layout.dp_rank,
                                    dp_size=self.layout.dp_size, device=self.device)
 
-    def _logprobs_of(self, output: torch.Tensor, m: Micro, *, temperature: float,
-                     with_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Logprobs (and entropy) of the micro-batch's samples, [n, w] (the loss's view)."""
+    def _logprobs_of(self, output: torch.Tensor, m: Micro, *, temperature: float, with_entropy: bool
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Logprobs (and entropy) of the micro-batch's samples, [n, w] (the loss's view), and with a
+        teacher top-K in the batch the student's logprobs of those K tokens, [n, w, K] (same pass)."""
         from megatron.core import parallel_state as ps
 
         tokens = m.tokens
+        targets = tokens[:, 1:]
+        extra = m.fields.teacher_topk_ids
+        if extra is not None:  # one pass for the sampled token and the teacher's K (loss-view → model row)
+            targets = torch.cat([targets.unsqueeze(-1), m.pack(extra)[:, 1:].to(targets.device)], dim=-1)
         lp, ent = vocab_parallel_logprobs(
-            output[:, :-1], tokens[:, 1:], vocab_size=self.spec.vocab_size, tp_rank=self.layout.tp_rank,
+            output[:, :-1], targets, vocab_size=self.spec.vocab_size, tp_rank=self.layout.tp_rank,
             tp_size=self.layout.tp_size, tp_group=ps.get_tensor_model_parallel_group(),
             temperature=temperature, with_entropy=with_entropy,
         )
+        top = None
+        if extra is not None:
+            lp, top = lp[..., 0], lp[..., 1:]
+            top = m.unpack(torch.cat([top.new_zeros(top.shape[0], 1, top.shape[-1]), top], dim=1))
         zero = lp.new_zeros(lp.shape[0], 1)
         lp = m.unpack(torch.cat([zero, lp], dim=1))
         if ent is not None:
             ent = m.unpack(torch.cat([zero, ent], dim=1))
-        return lp, ent
+        return lp, ent, top
 
     @staticmethod
     def _forward_step(loss_factory: Callable[[Micro], Callable[[torch.Tensor], Any]], router_stats: Any,
@@ -336,7 +345,7 @@ class MegatronPolicy:
 
         def factory(m: Micro) -> Callable[[torch.Tensor], Any]:
             def loss_func(output: torch.Tensor) -> Any:
-                lp, ent = self._logprobs_of(output, m, temperature=temperature, with_entropy=with_entropy)
+                lp, ent, _ = self._logprobs_of(output, m, temperature=temperature, with_entropy=with_entropy)
                 extra = {"logprobs": lp} if ent is None else {"logprobs": lp, "entropy": ent}
                 return lp.new_zeros(()), torch.tensor(1, dtype=torch.int), extra
             return loss_func
@@ -384,8 +393,8 @@ class MegatronPolicy:
 
         def factory(m: Micro) -> Callable[[torch.Tensor], Any]:
             def loss_func(output: torch.Tensor) -> Any:
-                lp, ent = self._logprobs_of(output, m, temperature=temperature, with_entropy=with_entropy)
-                loss_sum, denom, metrics = loss_fn(m.fields, lp, ent)
+                lp, ent, top = self._logprobs_of(output, m, temperature=temperature, with_entropy=with_entropy)
+                loss_sum, denom, metrics = loss_fn(m.fields, lp, ent, **({} if top is None else {"topk_logprobs": top}))
                 report = {"loss_sum": loss_sum.detach().float(), "denominator": denom.detach().float()}
                 for k, v in metrics.items():  # weight by the micro-batch's denominator
                     report[k] = v.detach().float() * denom.detach().float()

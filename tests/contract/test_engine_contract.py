@@ -150,3 +150,29 @@ def test_local_engine_step_profile_counts_each_step_of_a_request(engine) -> None
     assert loop >= step >= sampler >= 0, (loop, step, sampler)
     # the sampler is timed apart unless every step replayed a CUDA graph (it runs inside the replay)
     assert sampler > 0 or after.get("graphed_steps", 0) - before.get("graphed_steps", 0) >= 8, (before, after)
+
+
+def test_prompt_top_logprobs_match_teacher_forcing(engine) -> None:
+    """Scoring with `top_logprobs_num` (on-policy distillation's teacher top-k): `input_top_logprobs`
+    holds, from `logprob_start_len` on, null first and then the k most likely tokens of a teacher-forced
+    forward at each position, most likely first, with their logprobs."""
+    import torch
+
+    from tests.contract.helpers import _REFERENCE_MODELS, teacher_logprobs
+
+    ids, start, k = PROMPT + [20, 21, 5, 9], len(PROMPT) - 1, 3
+    out = generate(engine.url, [ids], return_logprob=True, logprob_start_len=start, top_logprobs_num=k,
+                   sampling_params={"max_new_tokens": 1, "temperature": 1.0})[0]
+    top = out["meta_info"]["input_top_logprobs"]
+    assert len(top) == len(ids) - start and not top[0]
+    teacher_logprobs(engine.model_dir, [1], [], temperature=1.0)  # loads the reference model
+    with torch.no_grad():
+        logits = _REFERENCE_MODELS[engine.model_dir](torch.tensor([ids])).logits[0].float()
+    want_lp, want_ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+    worst = 0.0
+    for position, row in enumerate(top[1:], start=start + 1):
+        assert len(row) == k and all(len(e) == 3 for e in row), row
+        assert [e[1] for e in row] == want_ids[position - 1].tolist(), (position, row)
+        worst = max(worst, max(abs(e[0] - w) for e, w in zip(row, want_lp[position - 1].tolist())))
+    print(f"[{engine.backend}] input top-{k} logprobs vs teacher forcing: {worst:.3g}")
+    assert worst <= 1e-4

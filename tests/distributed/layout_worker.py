@@ -62,6 +62,16 @@ def rl_fields(batch: TrainBatch, logprobs: torch.Tensor) -> dict[str, torch.Tens
     }
 
 
+def teacher_topk(batch: TrainBatch, vocab: int, k: int) -> dict[str, torch.Tensor]:
+    """A teacher's top-k per position: the k most likely ids of a random distribution and their
+    logprobs (0 off the trained tokens, as the controller lays them out)."""
+    gen = torch.Generator().manual_seed(11)
+    b, s = batch.tokens.shape
+    lps, ids = torch.log_softmax(torch.randn(b, s, vocab, generator=gen) * 2, dim=-1).topk(k, dim=-1)
+    keep = (batch.loss_mask != 0)[..., None]
+    return {"teacher_topk_ids": ids * keep, "teacher_topk_logprobs": lps * keep}
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--hf-dir", required=True)
@@ -84,6 +94,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-aux", type=float, default=None, help="MoE load-balancing loss coefficient")
     p.add_argument("--recompute", default="none")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--distill-topk", type=int, default=0, help="a teacher top-k reverse KL term (with --loss)")
+    p.add_argument("--distill-coef", type=float, default=1.0)
     return p
 
 
@@ -113,9 +125,12 @@ def run_case(args: argparse.Namespace) -> None:
                 params[key] = float(value)
             except ValueError:
                 params[key] = value
+        distill = (args.distill_coef, "add") if args.distill_topk else None
         loss_fn = make_loss_fn(get_loss(args.loss, **params), aggregation=args.aggregation,
-                               norm=args.aggregation_norm)
+                               norm=args.aggregation_norm, distill=distill)
         batch = batch.replace(**rl_fields(batch, logprobs))
+        if args.distill_topk:
+            batch = batch.replace(**teacher_topk(batch, policy.spec.vocab_size, args.distill_topk))
     metrics = policy.train_step(batch, loss_fn)
     policy.export_hf(os.path.join(args.out, "export1"))
     if dist.get_rank() == 0:

@@ -3,6 +3,9 @@ holding half of a padded vocabulary) against the whole-tensor reference at TP = 
 reference on the full logits at TP = 1: values and each rank's gradient slice within 1e-6 (fp32), for
 a vocabulary that ends inside rank 1's half and one that ends inside rank 0's (rank 1 all padding).
 
+Several targets per position ([B, S, J]: the sampled token and a teacher's top-k, with repeats) are
+compared at TP = 2 with torch.log_softmax over the full logits, values and gradient.
+
 The gradient through logprobs and entropy together is compared with TP = 1 only: the reference's
 entropy gradient is wrong at TP > 1 (docs/trainer.md), its logprob gradient is compared at TP = 2."""
 
@@ -26,6 +29,7 @@ def test_chunked_logprobs_at_tp2_match_the_reference_and_tp1() -> None:
     for out in lines:
         assert out["vs_reference_tp2"] <= 1e-6 and out["vs_tp1"] <= 1e-6, out
         assert out["grad_vs_reference_tp2"] <= 1e-6 and out["grad_vs_tp1"] <= 1e-6, out
+        assert out["rows_vs_log_softmax"] <= 1e-6 and out["rows_grad_vs_log_softmax"] <= 1e-6, out
 
 
 def _main() -> int:
@@ -71,7 +75,19 @@ def _compare(rank: int, group, vocab: int) -> dict:
     ref2, g_ref2 = run(vocab_parallel_logprobs_reference, mine, entropy_weight=0.0, **tp)
     ref1, g_ref1 = run(vocab_parallel_logprobs_reference, full)
     g_ref1 = g_ref1[..., rank * half:(rank + 1) * half]
-    return {"rank": rank, "vocab": vocab, "vs_reference_tp2": float((chunked - ref2).abs().max()),
+
+    rows = torch.randint(0, vocab, (2, 6, 3), generator=g)
+    rows[0, 0, 2] = rows[0, 0, 0]  # one id twice: its gradient counts both
+    w_rows = torch.randn(2, 6, 3, generator=g)
+    x = mine.clone().requires_grad_()
+    got, _ = vocab_parallel_logprobs(x[:, :-1], rows, vocab_size=vocab, temperature=0.8, chunk_elements=3 * half, **tp)
+    (got * w_rows).sum().backward()
+    y = full.clone().requires_grad_()
+    z = (y[:, :-1] / 0.8).masked_fill(torch.arange(padded) >= vocab, float("-inf"))
+    want = torch.log_softmax(z, dim=-1).gather(-1, rows)
+    (want * w_rows).sum().backward()
+    return {"rows_vs_log_softmax": float((got.detach() - want.detach()).abs().max()),
+            "rows_grad_vs_log_softmax": float((x.grad - y.grad[..., rank * half:(rank + 1) * half]).abs().max()),"rank": rank, "vocab": vocab, "vs_reference_tp2": float((chunked - ref2).abs().max()),
             "vs_tp1": float((chunked - ref1).abs().max()),
             "grad_vs_reference_tp2": float((g_chunked_lp - g_ref2).abs().max()),
             "grad_vs_tp1": float((g_chunked - g_ref1).abs().max())}

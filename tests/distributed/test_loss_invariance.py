@@ -11,14 +11,19 @@
 
 One SGD step from the same state on the same off-policy batch (behavior ≠ proximal logprobs, mixed
 rewards) must give the same weights (1e-6 abs, step size ~1e-3), for token_mean, seq_mean_token_mean
-and (with GSPO's per-sequence ratio) seq_mean_token_sum_norm.
+and (with GSPO's per-sequence ratio) seq_mean_token_sum_norm; and with on-policy distillation's
+teacher top-k reverse KL as a loss term (its K student logprobs per token laid into the packed row and
+back). That term's value in the step's metrics must also equal the KL computed here from a plain
+transformers forward of the checkpoint (float64), for packed and padded micro-batches.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
+import torch
 
 from tests.conftest import hf_weights
 from tests.distributed.grouped_cases import run_layout_cases
@@ -35,9 +40,13 @@ LOSSES = {
     "gspo-seq_mean_token_sum_norm": ["--loss", "gspo", "--aggregation", "seq_mean_token_sum_norm",
                                      "--aggregation-norm", "16", "--loss-param", "eps_low=0.2",
                                      "--loss-param", "eps_high=0.2"],
+    # on-policy distillation: tis plus coef · the teacher top-4 reverse KL (losses/distill.py)
+    "tis-topk4-token_mean": ["--loss", "tis", "--aggregation", "token_mean", "--distill-topk", "4",
+                             "--distill-coef", "0.5"],
 }
 # The newer case runs the splits that differ most (padded vs packed, 1 sample, DP × token budget).
-SPLITS_OF = {"gspo-seq_mean_token_sum_norm": ("mb8", "padded_mb8", "mb1", "dp2_budget20")}
+SPLITS_OF = {"gspo-seq_mean_token_sum_norm": ("mb8", "padded_mb8", "mb1", "dp2_budget20"),
+             "tis-topk4-token_mean": ("mb8", "padded_mb8", "mb1", "dp2_budget20")}
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +71,34 @@ def test_same_step_for_every_split(runs, loss: str) -> None:
         got = result[split][1]
         worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
         assert worst <= 1e-6, f"{loss}: {split} differs from mb8 by {worst} (step size {moved})"
+
+
+def test_topk_reverse_kl_term_equals_a_transformers_forward(runs, tiny_models) -> None:
+    """The KL the trainer's loss took (metric distill/topk_reverse_kl, from the forward before the
+    step) against the same KL from HF logits, float64, written out per token (not losses/distill.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.distributed.layout_worker import fixed_batch, teacher_topk
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float64).eval()
+    batch = fixed_batch(model.config.vocab_size)
+    teacher = teacher_topk(batch, model.config.vocab_size, 4)
+    with torch.no_grad():
+        logits = model(batch.tokens).logits
+    log_p = torch.log_softmax(logits[:, :-1], dim=-1)  # row t predicts token t + 1
+    total, count = 0.0, 0
+    for i in range(batch.tokens.shape[0]):
+        for t in range(1, batch.tokens.shape[1]):
+            if batch.loss_mask[i, t] == 0:
+                continue
+            ids, t_lp = teacher["teacher_topk_ids"][i, t], teacher["teacher_topk_logprobs"][i, t].double()
+            s_lp = log_p[i, t - 1, ids]
+            p, q = s_lp.exp(), t_lp.exp()
+            kl = float((p * (s_lp - t_lp)).sum())
+            p_rest, q_rest = 1 - float(p.sum()), 1 - float(q.sum())
+            kl += p_rest * (torch.log(torch.tensor(p_rest)) - torch.log(torch.tensor(q_rest))).item()
+            total, count = total + kl, count + 1
+    want = total / count
+    for split in ("mb8", "padded_mb8", "mb1"):
+        metrics = json.load(open(os.path.join(runs[("tis-topk4-token_mean", split)], "metrics.json")))
+        assert abs(metrics["distill/topk_reverse_kl"] - want) <= 1e-5, (split, metrics, want)

@@ -119,3 +119,133 @@ def test_in_the_loss_the_reverse_kl_is_taken_against_the_training_forward(mode: 
     assert torch.allclose(current.grad, -want / 5, atol=1e-6), current.grad
     with pytest.raises(ValueError, match="distill"):  # teacher logprobs but no distill settings: refused
         make_loss_fn(get_loss("reinforce"))(batch, current, None)
+
+
+# ---------------------------------------------------------------- top-K (distill.topk)
+def topk_samples() -> list[Sample]:
+    a = Sample(prompt_ids=[5, 6], response_ids=[7, 8], behavior_logprobs=[-1.0, -2.0], reward=1.0, group_id=0,
+               teacher_logprobs=[-0.5, -2.5], teacher_topk_ids=[[7, 3], [1, 8]],
+               teacher_topk_logprobs=[[-0.5, -1.5], [-0.25, -2.5]])
+    b = Sample(prompt_ids=[5], response_ids=[4], behavior_logprobs=[-3.0], reward=0.0, group_id=0,
+               teacher_logprobs=[-1.0], teacher_topk_ids=[[4, 2]], teacher_topk_logprobs=[[-1.0, -1.25]])
+    return [a, b]
+
+
+def test_topk_reverse_kl_against_numbers_worked_by_hand() -> None:
+    from megatron_flash.losses import topk_reverse_kl
+
+    # K = 1, student 0.5 / teacher 0.8 on the token: 0.5·ln(0.5/0.8) + 0.5·ln(0.5/0.2)
+    got = topk_reverse_kl(torch.tensor([[0.5]]).log(), torch.tensor([[0.8]]).log())
+    assert abs(float(got) - (0.5 * -0.4700036292457356 + 0.5 * 0.9162907318741551)) <= 1e-6
+    # K = 2 of a 3-token vocabulary: the rest bucket is the third token, so it is the full reverse KL
+    p, q = [0.2, 0.5, 0.3], [0.6, 0.3, 0.1]
+    full = sum(pi * (torch.tensor(pi).log() - torch.tensor(qi).log()).item() for pi, qi in zip(p, q))
+    got = topk_reverse_kl(torch.tensor(p[:2]).log(), torch.tensor(q[:2]).log())
+    assert abs(float(got) - full) <= 1e-6
+
+
+def test_topk_reverse_kl_gradient_matches_float64() -> None:
+    """The gradient w.r.t. the student's K logprobs against autograd of the plain float64 formula."""
+    from megatron_flash.losses import topk_reverse_kl
+
+    g = torch.Generator().manual_seed(3)
+    s = torch.log_softmax(torch.randn(4, 10, generator=g), -1)[:, :3].clone().requires_grad_()
+    t = torch.log_softmax(torch.randn(4, 10, generator=g), -1)[:, :3]
+    topk_reverse_kl(s, t).sum().backward()
+    s64 = s.detach().double().requires_grad_()
+    p, q = s64.exp(), t.double().exp()
+    kl = (p * (s64 - t.double())).sum(-1) + (1 - p.sum(-1)) * ((1 - p.sum(-1)).log() - (1 - q.sum(-1)).log())
+    kl.sum().backward()
+    assert torch.allclose(s.grad.double(), s64.grad, atol=1e-5), (s.grad, s64.grad)
+
+
+def test_teacher_topk_sits_on_the_response_tokens() -> None:
+    from megatron_flash.recipes import teacher_topk
+
+    s = topk_samples()
+    batch = collate(s, pad_id=0, advantages=torch.tensor([0.5, -0.5]))
+    ids, lps = teacher_topk(s, batch.loss_mask)
+    assert ids.tolist() == [[[0, 0], [0, 0], [7, 3], [1, 8]], [[0, 0], [4, 2], [0, 0], [0, 0]]]
+    assert lps[0, 3].tolist() == [-0.25, -2.5] and lps[1, 1].tolist() == [-1.0, -1.25] and lps[1, 2].tolist() == [0, 0]
+    bare = Sample(prompt_ids=[5], response_ids=[4], behavior_logprobs=[-3.0])
+    with pytest.raises(ValueError, match="sample 1 .*no teacher top-k"):
+        teacher_topk([s[0], bare], collate([s[0], bare], pad_id=0).loss_mask)
+
+
+def test_sample_checks_the_teacher_topk_rows() -> None:
+    with pytest.raises(ValueError, match="top-k"):
+        Sample(prompt_ids=[1], response_ids=[2, 3], behavior_logprobs=[-1.0, -1.0], teacher_topk_ids=[[1]],
+               teacher_topk_logprobs=[[-1.0]])
+    with pytest.raises(ValueError, match="same width"):
+        Sample(prompt_ids=[1], response_ids=[2, 3], behavior_logprobs=[-1.0, -1.0], teacher_topk_ids=[[1], [1, 2]],
+               teacher_topk_logprobs=[[-1.0], [-1.0, -2.0]])
+    with pytest.raises(ValueError, match="without"):
+        Sample(prompt_ids=[1], response_ids=[2], behavior_logprobs=[-1.0], teacher_topk_ids=[[1]])
+
+
+@pytest.mark.parametrize("mode", ["add", "only"])
+def test_in_the_loss_the_topk_reverse_kl_is_a_term_of_the_student_forward(mode: str) -> None:
+    """With the teacher's top-k in the batch the loss is the policy loss (task advantage with add, none
+    with only) plus coef · KL_t on each trained token; the KL's gradient reaches the K student logprobs."""
+    from megatron_flash.losses import topk_reverse_kl
+    from megatron_flash.recipes import teacher_topk
+    from megatron_flash.trainer.loss_adapter import make_loss_fn
+
+    s = topk_samples()
+    batch = collate(s, pad_id=0, advantages=torch.tensor([0.5, -0.5]))
+    ids, lps = teacher_topk(s, batch.loss_mask)
+    batch = batch.replace(teacher_topk_ids=ids, teacher_topk_logprobs=lps)
+    current = torch.tensor([[0, 0, -0.5, -2.0], [0, -1.0, 0, 0]], requires_grad=True)
+    student = torch.log(torch.tensor([[[.3, .3]] * 4, [[.1, .6]] * 4])).requires_grad_()
+    fn = make_loss_fn(get_loss("reinforce"), distill=(2.0, mode))
+    loss_sum, denominator, metrics = fn(batch, current, None, topk_logprobs=student)
+    mask = batch.loss_mask
+    kl = topk_reverse_kl(student.detach(), lps) * mask
+    adv = batch.advantages if mode == "add" else torch.zeros_like(mask)
+    want = (-adv * current.detach() * mask).sum() + 2.0 * kl.sum()
+    assert int(denominator) == 3 and abs(float(loss_sum) - float(want)) <= 1e-5
+    assert abs(float(metrics["distill/topk_reverse_kl"]) - float(kl.sum() / 3)) <= 1e-6
+    loss_sum.backward()
+    assert float(student.grad[0, 2].abs().sum()) > 0 and float(student.grad[0, 0].abs().sum()) == 0  # trained only
+    with pytest.raises(ValueError, match="topk_logprobs"):
+        fn(batch, current, None)
+
+
+def test_topk_config_rules() -> None:
+    assert load_config(None, ["distill.teacher=/t", "distill.topk=8"]).distill.topk == 8
+    for bad in (["distill.topk=4"], ["distill.teacher=/t", "distill.topk=-1"],
+                ["distill.teacher=/t", "distill.topk=4", "distill.student_logprobs=behavior"]):
+        with pytest.raises(ValueError, match=r"distill\.topk"):
+            load_config(None, bad)
+
+
+def test_top_logprobs_reply_is_checked() -> None:
+    from megatron_flash.engines.client_base import MalformedReply
+    from megatron_flash.engines.client_replies import parse_input_top_logprobs
+
+    ids = [1, 2, 3, 4]
+    good = {"meta_info": {"input_top_logprobs": [None, [[-0.1, 3, None], [-2.0, 5, None]],
+                                                 [[-0.3, 4, None], [-1.5, 1, None]]]}}
+    assert parse_input_top_logprobs(good, url="u", ids=ids, start=1, k=2) == ([[3, 5], [4, 1]], [[-0.1, -2.0], [-0.3, -1.5]])
+    with pytest.raises(MalformedReply, match="3 entries"):
+        parse_input_top_logprobs(good, url="u", ids=ids, start=0, k=2)
+    with pytest.raises(MalformedReply, match="position 2 must hold 3"):
+        parse_input_top_logprobs(good, url="u", ids=ids, start=1, k=3)
+    bad = {"meta_info": {"input_top_logprobs": [None, [[None, 3, None], [-2.0, 5, None]], [[-0.3, 4], [-1.5, 1]]]}}
+    with pytest.raises(MalformedReply, match="non-numeric"):
+        parse_input_top_logprobs(bad, url="u", ids=ids, start=1, k=2)
+
+
+def test_local_engine_answers_top_logprobs_for_scoring_requests_only() -> None:
+    from types import SimpleNamespace
+
+    from megatron_flash.engines.generate_request import parse_generate
+
+    engine = SimpleNamespace(vocab_size=32, tokenizer=None, validate=lambda ids, spec: None, has_request=lambda r: False)
+    item = parse_generate(engine, {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 1,
+                                   "top_logprobs_num": 4, "sampling_params": {"max_new_tokens": 1}})[0]
+    assert item["top_logprobs_num"] == 4
+    with pytest.raises(ValueError, match="scoring requests only"):
+        parse_generate(engine, {"input_ids": [1, 2, 3], "top_logprobs_num": 4, "sampling_params": {"max_new_tokens": 8}})
+    with pytest.raises(ValueError, match="top_logprobs_num must be"):
+        parse_generate(engine, {"input_ids": [1, 2, 3], "top_logprobs_num": -1, "sampling_params": {"max_new_tokens": 1}})

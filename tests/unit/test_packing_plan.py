@@ -84,3 +84,19 @@ def test_micro_batch_fields_are_the_loss_view() -> None:
     lp = torch.arange(1.0, 10.0).view(1, 9)
     assert m.unpack(lp).tolist() == [[0, 2, 3, 4], [0, 6, 7, 0], [0, 9, 0, 0]]
     assert m.packed_seq_params.cu_seqlens_q.tolist() == [0, 4, 7, 9]
+
+
+def test_pack_lays_loss_view_rows_where_their_tokens_sit() -> None:
+    """Micro.pack, unpack's inverse: a per-token row of values (e.g. a teacher's top-K ids) goes where
+    its token sits in the packed row (padded: rows are samples, padded to the row width)."""
+    batch = TrainBatch(tokens=torch.arange(12).view(3, 4), lengths=torch.tensor([4, 2, 3]),
+                       loss_mask=torch.ones(3, 4))
+    (m,) = build_micro_batches(batch, BatchingOptions(micro_batch_size=8), dp_rank=0, dp_size=1,
+                               device=torch.device("cpu"))
+    values = (m.fields.tokens * 10)[..., None].expand(3, 4, 2).clone()  # [n, w, 2]: 10 × the token, twice
+    packed = m.pack(values)
+    assert packed[..., 0].tolist() == [[0, 10, 20, 30, 80, 90, 100, 40, 50]] and packed.shape == (1, 9, 2)
+    assert m.unpack(packed)[:, 1:].tolist() == values[:, 1:].mul(m.valid[:, 1:, None]).tolist()
+    (p,) = build_micro_batches(batch, BatchingOptions(pack=False, micro_batch_size=3, pad_multiple=3),
+                               dp_rank=0, dp_size=1, device=torch.device("cpu"))
+    assert p.pack(p.fields.tokens[..., None]).shape == (3, 6, 1) and p.tokens.shape == (3, 6)

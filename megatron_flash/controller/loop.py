@@ -298,16 +298,16 @@ class Controller:
         batch, self._overlong = recipes.overlong_filter(samples, batch, enabled=self.cfg.rollout.overlong_filter)
         d = self.cfg.distill
         if d.enabled:  # the teacher's per-token reverse KL in the advantage (after the filter: masked tokens stay 0)
-            teacher = recipes.teacher_logprobs(samples, batch.loss_mask)
             if d.topk:  # the top-K reverse KL, a loss term from the training forward (losses/distill.py)
                 ids, lps = recipes.teacher_topk(samples, batch.loss_mask)
                 batch = batch.replace(teacher_topk_ids=ids, teacher_topk_logprobs=lps)
             elif d.student_logprobs == "current":  # the loss forms Â_t from its own forward (losses/distill.py)
-                batch = batch.replace(teacher_logprobs=teacher)
+                batch = batch.replace(teacher_logprobs=recipes.teacher_logprobs(samples, batch.loss_mask))
             else:
                 batch = batch.replace(advantages=distill_advantages(
-                    advantages=batch.advantages, student_logprobs=batch.behavior_logprobs, teacher_logprobs=teacher,
-                    loss_mask=batch.loss_mask, coef=d.coef, mode=d.mode))
+                    advantages=batch.advantages, student_logprobs=batch.behavior_logprobs,
+                    teacher_logprobs=recipes.teacher_logprobs(samples, batch.loss_mask), loss_mask=batch.loss_mask,
+                    coef=d.coef, mode=d.mode))
         batch = batch.replace(staleness=torch.tensor([staleness(self.version, s.version_start) for s in samples]))
         if self.version_check is not None:  # before training: the weights are still version V's
             self._check_metrics = self.version_check.step(self.version, samples, batch)

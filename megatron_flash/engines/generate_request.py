@@ -122,9 +122,10 @@ def parse_generate(engine: Any, body: dict) -> list[dict]:
     for i in range(n):
         spec = SamplingSpec.from_json(params[i], vocab_size=engine.vocab_size)
         engine.validate(prompts[i], spec)
-        items.append({"top_logprobs_num": _top_logprobs_num(top[i], spec), "rid": str(rids[i]), "prompt_ids": prompts[i], "spec": spec,
+        items.append({"rid": str(rids[i]), "prompt_ids": prompts[i], "spec": spec,
                       "return_logprob": bool(logprob[i]), "return_text_in_logprobs": bool(text_lp),
                       "logprob_start_len": _logprob_start_len(body, i, len(prompts[i])),
+                      "top_logprobs_num": _top_logprobs_num(top[i], spec),
                       "return_routed_experts": bool(routed[i])})
     return items if not single or num_samples > 1 else items[:1]
 

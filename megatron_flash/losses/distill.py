@@ -32,6 +32,8 @@ task advantage stays A_t (add) or 0 (only).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 DISTILL_MODES = ("add", "only")
@@ -61,7 +63,7 @@ def topk_reverse_kl(student_topk: torch.Tensor, teacher_topk: torch.Tensor) -> t
     t = teacher_topk.to(torch.float32)
 
     def log_rest(lp: torch.Tensor) -> torch.Tensor:
-        total = torch.logsumexp(lp, dim=-1).clamp(max=float(torch.log1p(torch.tensor(-REST_FLOOR))))
+        total = torch.logsumexp(lp, dim=-1).clamp(max=math.log1p(-REST_FLOOR))
         return torch.log(-torch.expm1(total))
 
     rs, rt = log_rest(s), log_rest(t)

@@ -49,9 +49,6 @@ class TeacherScorer:
         self.tokens += len(values)
         return values, (top_ids if self.top_k else None), (top_lps if self.top_k else None)
 
-    async def logprobs(self, prompt_ids: Sequence[int], response_ids: Sequence[int], *, rid: str) -> list[float]:
-        return (await self.score(prompt_ids, response_ids, rid=rid))[0]
-
 
 def check_same_tokenizer(student: Any, teacher: Any, *, student_path: str, teacher_path: str) -> None:
     """Refuse a teacher whose tokenizer maps any token differently (or has other special tokens):

@@ -47,20 +47,19 @@ class RLLossFn:
                                             behavior_lag=mb.behavior_lag, theta_advance=self.theta_advance)
         advantages = mb.advantages
         topk_kl = None
+        teacher = "the teacher's top-k" if mb.teacher_topk_ids is not None else "teacher logprobs"
+        if (mb.teacher_topk_ids is not None or mb.teacher_logprobs is not None) and self.distill is None:
+            raise ValueError(f"the batch carries {teacher} but this loss was built without distill settings")
         if mb.teacher_topk_ids is not None:
-            if self.distill is None:
-                raise ValueError("the batch carries the teacher's top-k but this loss was built without distill settings")
             if topk_logprobs is None or topk_logprobs.shape != mb.teacher_topk_logprobs.shape:
                 raise ValueError("the batch carries the teacher's top-k: the trainer must pass the student's logprobs "
                                  f"of those tokens (topk_logprobs {tuple(mb.teacher_topk_logprobs.shape)}), got "
                                  f"{None if topk_logprobs is None else tuple(topk_logprobs.shape)}")
             coef, mode = self.distill
-            topk_kl = coef * topk_reverse_kl(topk_logprobs, mb.teacher_topk_logprobs) * mb.loss_mask
+            topk_kl = topk_reverse_kl(topk_logprobs, mb.teacher_topk_logprobs) * mb.loss_mask
             if mode == "only":
                 advantages = torch.zeros_like(advantages)
         elif mb.teacher_logprobs is not None:
-            if self.distill is None:
-                raise ValueError("the batch carries teacher logprobs but this loss was built without distill settings")
             coef, mode = self.distill
             advantages = distill_advantages(advantages=advantages, student_logprobs=logprobs,
                                             teacher_logprobs=mb.teacher_logprobs, loss_mask=mb.loss_mask,
@@ -75,9 +74,8 @@ class RLLossFn:
             reference_logprobs=mb.reference_logprobs,
         )
         if topk_kl is not None:
-            per_token = per_token + topk_kl
-            n = mb.loss_mask.sum().clamp(min=1)
-            metrics = {**metrics, "distill/topk_reverse_kl": topk_kl.detach().sum() / (n * self.distill[0])}
+            per_token = per_token + coef * topk_kl
+            metrics = {**metrics, "distill/topk_reverse_kl": topk_kl.detach().sum() / mb.loss_mask.sum().clamp(min=1)}
         loss_sum, denominator = aggregate(per_token, mb.loss_mask, mode=self.aggregation, norm=self.norm)
         if entropy is not None:
             mask = mb.loss_mask

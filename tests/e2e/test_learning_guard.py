@@ -4,10 +4,12 @@ noticing (docs/benchmarks.md, "Asynchronous learning at α = 2"); this catches a
 
     warm-up    the quickstart's format-only sort4 warm model (300 Megatron steps, seed 2)
     sync       launch/pretrain_async_rl.py, configs/quickstart_cpu.yaml, α = 0, ppo, 40 steps, seed 2
-    async      the same with α = 2 and tis (the quickstart's loss), twice
-    statistics D = mean final reward of the two async runs − final reward of the sync run
-               (final reward = mean reward of the last 5 steps);
-               G = mean over the two async runs of the median train/mismatch_abs over steps ≥ 3
+    async      the same with α = 2 and tis (the quickstart's loss), three times
+    statistics D = median final reward of the three async runs − final reward of the sync run
+               (final reward = mean reward of the last 5 steps; the median, because about 1 tis run in
+               12 at α = 2 collapses partway on this code and on the previous main alike, 2026-11-28:
+               one such run in a pair failed the mean's bound, D = −0.30);
+               G = mean over the async runs of the median train/mismatch_abs over steps ≥ 3
                (|log π_θ − log μ| of the trained tokens: how far the policy sits from the weights
                that sampled them)
 
@@ -53,7 +55,7 @@ def test_async_tis_learns_like_sync_ppo(tmp_path) -> None:
     run_tool(["benchmarks/benchlib.py", "warm", "--out", str(warm), "--task", "sort4", "--seed", str(SEED),
               "--sft-steps", "300"], timeout=600)
     final, mismatch = {}, {}
-    for name, alpha, loss in (("sync", 0, "ppo"), ("async_a", 2, "tis"), ("async_b", 2, "tis")):
+    for name, alpha, loss in (("sync", 0, "ppo"), ("async_a", 2, "tis"), ("async_b", 2, "tis"), ("async_c", 2, "tis")):
         run_dir = str(tmp_path / name)
         run_tool(["launch/pretrain_async_rl.py", "--config", "configs/quickstart_cpu.yaml",
                   f"model.hf_path={warm / 'warm_model'}", f"logging.dir={run_dir}", f"engines.base_port={free_ports(1)}",
@@ -64,8 +66,9 @@ def test_async_tis_learns_like_sync_ppo(tmp_path) -> None:
         final[name] = statistics.fmean(r["reward_mean"] for r in rows[-5:])
         mismatch[name] = statistics.median(r["train/mismatch_abs"] for r in rows[3:])
     assert final["sync"] > 0.3, f"synchronous ppo did not learn the task: {final}"
-    d = statistics.fmean([final["async_a"], final["async_b"]]) - final["sync"]
-    g = statistics.fmean([mismatch["async_a"], mismatch["async_b"]])
+    runs = ("async_a", "async_b", "async_c")
+    d = statistics.median(final[r] for r in runs) - final["sync"]
+    g = statistics.fmean(mismatch[r] for r in runs)
     hint = "compare with the previous main: benchmarks/learning.py --seeds 0,1,2 --repeats 4 --losses tis --compare REV"
     assert g <= MAX_MISMATCH, f"the policy sits {g:.3f} nats/token from μ at α = 2 (bound {MAX_MISMATCH}): {mismatch}; {hint}"
     assert d >= -MARGIN_D, f"async tis at α = 2 fell {-d:.3f} below sync ppo (margin {MARGIN_D}): {final}; {hint}"

@@ -107,6 +107,18 @@ def _forked_children_die_with_parent() -> None:
     os.register_at_fork(after_in_child=in_child)
 
 
+def async_strategy_kwargs() -> dict[str, str]:
+    """megatron-core 0.19 asks which async writer to use and defaults to NVIDIA Resiliency Extension's
+    ("nvrx", a separate package it does not install); its own ("mcore", which 0.16 always uses, and
+    whose request this module runs itself) is what every version has. 0.16 takes no such argument."""
+    import inspect
+
+    from megatron.core import dist_checkpointing
+
+    return {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters \
+        else {}
+
+
 def save_dist_checkpoint(sharded_state_dict: dict, path: str) -> None:
     """`dist_checkpointing.save` in torch_dist format, without its CUDA-only staging step.
 
@@ -129,7 +141,7 @@ def save_dist_checkpoint(sharded_state_dict: dict, path: str) -> None:
     _forked_children_die_with_parent()
     if not isinstance(getattr(filesystem_async, "_results_queue", None), queue.Queue):
         filesystem_async._results_queue = queue.Queue()
-    request = dist_checkpointing.save(sharded_state_dict, path, async_sharded_save=True)
+    request = dist_checkpointing.save(sharded_state_dict, path, async_sharded_save=True, **async_strategy_kwargs())
     if not torch.cuda.is_available():
         request = request._replace(preload_fn=None)
     request.execute_sync()

@@ -1,4 +1,4 @@
-"""Make megatron-core 0.16.x run on a CPU-only torch (gloo), and do nothing when CUDA exists.
+"""Make megatron-core (0.16.1 … 0.19.x) run on a CPU-only torch (gloo), and do nothing when CUDA exists.
 
 Megatron-Core assumes CUDA in a handful of places that our CPU path reaches. Each patch below turns
 a call that would *raise* on a CPU-only build into the CPU equivalent, so code that already works is
@@ -9,6 +9,8 @@ never changed, and `apply()` returns early when `torch.cuda.is_available()`:
   torch.cuda.current_device() (rotary, optimizers)     returns torch.device("cpu")
   torch.zeros(..., device="cuda") in a module list     that module's `torch` becomes a proxy whose
     (schedules, clip_grads, optimizer, utils, ...)       factory functions map a CUDA device to "cpu"
+  torch.cuda.current_stream() / Stream / stream(...)   the same proxy's `torch.cuda` answers with
+    (0.19's grad buffers wait on CUDA-graph events)      torch.cpu's stream and event (no-ops)
   CudaRNGStatesTracker (torch.cuda.get_rng_state)      a tracker over the CPU generator's state
   tensor.type() == "torch.cuda.FloatTensor" checks     Tensor.type() answers the CUDA name to callers
     (clip_grads, distributed optimizer, fp16 optim)      inside megatron.core only
@@ -75,12 +77,36 @@ def _cpu_factory(fn: Any) -> Any:
     return wrapped
 
 
+class _CpuCudaProxy(types.ModuleType):
+    """Stands in for `torch.cuda` inside one megatron module: streams and events are torch.cpu's
+    (no-ops that keep the calling code's shape), the rest forwards to the real torch.cuda."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda")
+        self._cpu = {
+            "current_stream": lambda *args, **kwargs: torch.cpu.current_stream(),
+            "default_stream": lambda *args, **kwargs: torch.cpu.current_stream(),
+            "Stream": lambda *args, **kwargs: torch.cpu.Stream(),
+            "Event": lambda *args, **kwargs: torch.cpu.Event(),
+            "stream": torch.cpu.stream,
+            "synchronize": lambda *args, **kwargs: None,
+            "current_device": lambda: torch.device("cpu"),
+        }
+
+    def __getattr__(self, name: str) -> Any:
+        cpu = self.__dict__.get("_cpu", {})
+        if name in cpu:
+            return cpu[name]
+        return getattr(torch.cuda, name)
+
+
 class _CpuTorchProxy(types.ModuleType):
     """Stands in for `torch` inside one megatron module; everything forwards to the real torch."""
 
     def __init__(self) -> None:
         super().__init__("torch")
         self._wrapped = {name: _cpu_factory(getattr(torch, name)) for name in _FACTORIES}
+        self._wrapped["cuda"] = _CpuCudaProxy()
 
     def __getattr__(self, name: str) -> Any:
         wrapped = self.__dict__.get("_wrapped", {})

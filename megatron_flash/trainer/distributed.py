@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_flash.hf.layouts import Layout
 from megatron_flash.ports import free_ports
-from megatron_flash.trainer import cpu_shim
+from megatron_flash.trainer import cpu_shim, megatron_compat
 
 
 def init_distributed(*, tp_size: int, pp_size: int, seed: int, backend: str = "auto",
@@ -28,6 +28,7 @@ def init_distributed(*, tp_size: int, pp_size: int, seed: int, backend: str = "a
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"parallel.backend must be auto, nccl or gloo, got {backend!r}")
+    megatron_compat.check(cpu=not torch.cuda.is_available())  # an unknown Megatron fails here, not mid-run
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python`: a world of one
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",

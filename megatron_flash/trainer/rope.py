@@ -18,26 +18,70 @@ same function Megatron uses for the padded layout. The two cases of Megatron's f
 Context parallelism (cp > 1) keeps Megatron's function (each rank holds two chunks per sample); the
 trainer refuses cp > 1 anyway. `install()` swaps the function in once; tests/unit/test_rope.py
 compares it with Megatron's on CPU.
+
+Megatron has no extension point for this function (attention.py calls `apply_rotary_pos_emb`, which
+looks `_apply_rotary_pos_emb_thd` up in rope_utils), so it is replaced in that module, and the
+replacement follows each version's signature: the MLA interleave flag is `multi_latent_attention` in
+megatron-core 0.16 and `mla_rotary_interleaved` from 0.17 on (the old name deprecated). `install()`
+reads the signatures of the function it replaces and of the bshd rotation it calls before swapping
+anything, and refuses at start-up — one line naming the version — when either takes an argument
+this module does not know, instead of failing in the first step.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import Any, Optional
 
 import torch
 
+from megatron_flash.versions import TESTED, installed
+
 _ORIGINAL: Any = None
+# The MLA flag's name in this version's `_apply_rotary_pos_emb_bshd` (set by `mla_keyword()`).
+_MLA_KEYWORD: Optional[str] = None
+_MLA_NAMES = ("mla_rotary_interleaved", "multi_latent_attention")
+_THD_KNOWN = frozenset({"t", "cu_seqlens", "freqs", "rotary_interleaved", "mscale", "cp_group", *_MLA_NAMES})
+_BSHD_KNOWN = frozenset({"t", "freqs", "rotary_interleaved", "mscale", *_MLA_NAMES})
+
+
+def check_signatures() -> str:
+    """The bshd rotation's keyword for the MLA flag; RuntimeError naming the version and the unknown
+    parameters when this megatron-core's RoPE functions are not the ones this module replaces."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    thd = _ORIGINAL if _ORIGINAL is not None else rope_utils._apply_rotary_pos_emb_thd
+    for name, fn, known in (("_apply_rotary_pos_emb_thd", thd, _THD_KNOWN),
+                            ("_apply_rotary_pos_emb_bshd", rope_utils._apply_rotary_pos_emb_bshd, _BSHD_KNOWN)):
+        params = set(inspect.signature(fn).parameters)
+        unknown = sorted(params - known)
+        if unknown or not params & set(_MLA_NAMES):
+            raise RuntimeError(
+                f"megatron-core {installed('megatron-core')} (tested: megatron-core{TESTED['megatron-core']}): "
+                f"rope_utils.{name} takes {sorted(params)}; the packed RoPE (trainer/rope.py) "
+                f"knows {sorted(known)}, not {unknown}")
+    bshd = set(inspect.signature(rope_utils._apply_rotary_pos_emb_bshd).parameters)
+    return next(name for name in _MLA_NAMES if name in bshd)
 
 
 def apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
-                             rotary_interleaved: bool = False, multi_latent_attention: bool = False,
-                             mscale: float = 1.0, cp_group: Any = None) -> torch.Tensor:
-    """t [T, heads, dim], cu_seqlens [samples + 1] (the last equals T), freqs [F, 1, 1, dim]."""
+                             rotary_interleaved: bool = False, mla_rotary_interleaved: bool = False,
+                             mscale: float = 1.0, cp_group: Any = None,
+                             multi_latent_attention: Optional[bool] = None) -> torch.Tensor:
+    """t [T, heads, dim], cu_seqlens [samples + 1] (the last equals T), freqs [F, 1, 1, dim].
+
+    Takes the MLA flag under either name (0.16 passes `multi_latent_attention`, 0.17+
+    `mla_rotary_interleaved`) and hands it on under the name this version's rotation takes."""
+    global _MLA_KEYWORD
     from megatron.core.models.common.embeddings import rope_utils
 
+    if _MLA_KEYWORD is None:
+        _MLA_KEYWORD = check_signatures()
+    mla = bool(multi_latent_attention) if multi_latent_attention is not None else mla_rotary_interleaved
+    flag = {_MLA_KEYWORD: mla}
     if cp_group is not None and cp_group.size() > 1:
-        return _ORIGINAL(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
-                         multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
+        return _ORIGINAL(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved, mscale=mscale,
+                         cp_group=cp_group, **flag)
     rows = t.shape[0]
     if freqs.size(0) == rows:
         packed = freqs
@@ -46,15 +90,16 @@ def apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: t
         starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=rows)
         packed = freqs[torch.arange(rows, device=t.device) - starts]
     return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), packed, rotary_interleaved=rotary_interleaved,
-                                                 multi_latent_attention=multi_latent_attention,
-                                                 mscale=mscale).squeeze(1)
+                                                 mscale=mscale, **flag).squeeze(1)
 
 
 def install() -> None:
-    """Route Megatron's unfused THD RoPE through `apply_rotary_pos_emb_thd` (idempotent)."""
-    global _ORIGINAL
+    """Route Megatron's unfused THD RoPE through `apply_rotary_pos_emb_thd` (idempotent). Checks the
+    signatures first: an unknown megatron-core RoPE is refused here, at model build."""
+    global _ORIGINAL, _MLA_KEYWORD
     from megatron.core.models.common.embeddings import rope_utils
 
+    _MLA_KEYWORD = check_signatures()
     if _ORIGINAL is None:
         _ORIGINAL = rope_utils._apply_rotary_pos_emb_thd
         rope_utils._apply_rotary_pos_emb_thd = apply_rotary_pos_emb_thd

@@ -1,10 +1,20 @@
 """megatron-flash: asynchronous RL post-training of LLMs on Megatron-Core.
 
-Ranges stay open for cluster users who bring their own CUDA torch / megatron-core; CI and the CPU
-quickstart install the exact set in requirements/cpu-lock.txt instead (see the Makefile).
+megatron-core, torch and transformers are bounded by the span the project tests
+(megatron_flash/versions.py: CI's lock and `make test-compat`'s newest megatron-core); the rest stay
+open for cluster users. CI and the CPU quickstart install the exact set in requirements/cpu-lock.txt
+instead (see the Makefile). A version outside a span still runs when installed by hand (--no-deps,
+a container's own): the launcher prints one warning line naming it.
 """
 
+import os
+
 from setuptools import find_packages, setup
+
+_versions: dict = {}
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_flash", "versions.py")) as f:
+    exec(compile(f.read(), "megatron_flash/versions.py", "exec"), _versions)  # stdlib only; nothing installed yet
+requirement = _versions["requirement"]
 
 setup(
     name="megatron-flash",
@@ -13,9 +23,9 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_flash", "megatron_flash.*"]),
     install_requires=[
-        "torch>=2.4",
-        "megatron-core>=0.16",
-        "transformers>=4.56",
+        requirement("torch"),
+        requirement("megatron-core"),
+        requirement("transformers"),
         "tokenizers>=0.21",
         "safetensors>=0.4",
         "omegaconf>=2.3",

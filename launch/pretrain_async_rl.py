@@ -105,6 +105,11 @@ def check_paths(cfg: RunConfig) -> None:
 
 def run(cfg: RunConfig) -> int:
     """Hand the validated config to the controller; torch and Megatron are imported from here on."""
+    from megatron_flash.versions import untested
+
+    if _is_local_leader():  # another megatron-core / torch / transformers runs, but says so first
+        for line in untested():
+            print(line, file=sys.stderr)
     from megatron_flash.controller.assembly import check_loss
     from megatron_flash.trainer.loss_adapter import build_loss
 

@@ -8,6 +8,7 @@
   named        — (the "registered name or module:attr" rule)        no
   counters     — (metrics windows)                                  no
   trace        — (the run's timeline and request activity)          no
+  versions     — (the tested spans; read by setup.py)               no
   planner      —                                                    no
   recipes      types (per-step batch shaping and diagnostics)       no
   tracking     config, trace                                        no
@@ -20,7 +21,7 @@
                trace, types
   agentic      config, counters, engines, named, ports, rewards,    no
                rollout, trace, types
-  trainer      config, hf, losses, ports, types                     yes
+  trainer      config, hf, losses, ports, types, versions           yes
   weight_sync  engines, hf, ports, trace, types                     no
   controller   every package above                                  no
 
@@ -47,17 +48,17 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_flash"
 ALLOWED: dict[str, set[str]] = {
     "config": set(), "types": set(), "ports": set(), "named": set(), "counters": set(), "planner": set(),
-    "trace": set(), "recipes": {"types"},
+    "trace": set(), "versions": set(), "recipes": {"types"},
     "tracking": {"config", "trace"}, "losses": {"types"}, "rewards": {"named", "trace", "types"},
     "buffer": {"trace", "types"}, "engines": {"ports", "types"}, "hf": set(),
     "rollout": {"buffer", "config", "counters", "engines", "named", "rewards", "trace", "types"},
     "agentic": {"config", "counters", "engines", "named", "ports", "rewards", "rollout", "trace", "types"},
-    "trainer": {"config", "hf", "losses", "ports", "types"},
+    "trainer": {"config", "hf", "losses", "ports", "types", "versions"},
     "weight_sync": {"engines", "hf", "ports", "trace", "types"},
 }
 ALLOWED["controller"] = set(ALLOWED)
 LAYERS: list[tuple[str, ...]] = [  # lowest first
-    ("config", "types", "ports", "named", "counters", "trace", "planner", "hf"),
+    ("config", "types", "ports", "named", "counters", "trace", "planner", "versions", "hf"),
     ("recipes", "tracking", "losses", "rewards", "buffer", "engines"),
     ("rollout", "trainer", "weight_sync"),
     ("agentic",),

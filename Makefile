@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: quickstart test test-unit test-distributed test-sglang lock clean
+.PHONY: quickstart test test-unit test-distributed test-sglang test-compat lock clean
 
 $(STAMP): setup.py requirements/cpu-lock.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ quickstart: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) launch/quickstart_cpu.py
 
 test: $(STAMP)
-	$(PY) -m pytest tests -q --durations=15
+	$(PY) -m pytest tests -q --durations=15 --ignore=tests/compat
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit -q
@@ -31,6 +31,17 @@ test-distributed: $(STAMP)
 test-sglang: $(STAMP)
 	bash tools/sglang_cpu/install.sh
 	MF_CONTRACT_BACKENDS=sglang $(PY) -m pytest tests/contract -q --durations=10
+
+# Compat tier (CI runs it after `make test`): the product on the newest megatron-core (or
+# MCORE_VERSION=X), installed by tools/compat/install.sh into .cache/compat/megatron-core-X/ in front
+# of the locked set. Parity, the quickstart, a checkpoint resume and weight sync (tests/compat), plus
+# the unit tests of the version checks. ≤ 5 min on the 2-core box.
+MCORE_VERSION ?= $(shell sed -n 's/^megatron-core==//p' requirements/compat-newest.txt)
+COMPAT_PY := .cache/compat/megatron-core-$(MCORE_VERSION)/bin/python
+test-compat: $(STAMP)
+	bash tools/compat/install.sh $(MCORE_VERSION)
+	MF_COMPAT_MCORE=$(MCORE_VERSION) $(COMPAT_PY) -m pytest tests/compat tests/unit/test_megatron_compat.py \
+		tests/unit/test_rope.py tests/unit/test_versions.py -q --durations=10
 
 lock: $(STAMP)
 	$(PY) -m pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu$$/torch==\1/' > requirements/cpu-lock.txt.new

@@ -2,7 +2,7 @@
 
 The raw-HTTP modules pin the server side of the contract; this one pins the client side: the same
 calls, through `megatron_flash.engines.client`, parse and behave as documented on every
-backend. Uses its own server (it swaps weights).
+backend. Shares the session's server: the weight swap below puts the checkpoint back.
 """
 
 from __future__ import annotations
@@ -14,17 +14,16 @@ import io
 import pytest
 
 from megatron_flash.engines.client import EngineClient
-from tests.contract.conftest import BACKENDS, launch_engine
-from tests.contract.helpers import StreamingGenerate, teacher_logprobs
+from tests.contract.helpers import StreamingGenerate, assert_logprobs_match, generate, teacher_logprobs
 
 PROMPT = [1, 8, 9, 10, 11]
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def server(request, tiny_models, tmp_path_factory):
-    server = launch_engine(request.param, tiny_models["llama"], str(tmp_path_factory.mktemp("client_logs")))
-    yield server
-    server.stop()
+@pytest.fixture(scope="module")
+def server(engine):
+    """The session's engine (a real SGLang start costs ~40 s): the one test here that changes its
+    weights restores them, label "default" included, and checks that it did."""
+    return engine
 
 
 def run(coro):
@@ -105,11 +104,15 @@ def test_pause_continue_and_weight_update_through_the_client(server, seed1_model
             await c.continue_generation()
             version = await c.get_weight_version()
             res = await c.generate(PROMPT, {"temperature": 1.0, "max_new_tokens": 10, "ignore_eos": True})
-            await c.update_weights_from_disk(server.model_dir, weight_version="8")  # restore seed 0
-            return version, res
+            await c.update_weights_from_disk(server.model_dir, weight_version="default")  # restore seed 0
+            return version, res, await c.get_weight_version()
 
-    version, res = run(go())
+    version, res, restored = run(go())
     assert version == "7" and res.weight_version == "7"
+    assert restored == "default"
+    out = generate(server.url, PROMPT, return_logprob=True,  # the checkpoint's weights again
+                   sampling_params={"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True})
+    assert_logprobs_match(server.model_dir, PROMPT, out, temperature=1.0)
     ref = teacher_logprobs(seed1_model, PROMPT, res.output_ids, temperature=1.0)
     assert max(abs(a - b) for a, b in zip(res.output_logprobs, ref)) <= 1e-4
     del named

@@ -116,7 +116,9 @@ mf_trainer_wrap() {  # MF_WRAP=(bash -c ... PIDFILE)
 }
 
 mf_checkpoint_cmd() {  # MF_CHECKPOINT_CMD=(srun step that sends one SIGTERM to every trainer rank)
-    MF_CHECKPOINT_CMD=(srun --overlap --nodes="$#" --ntasks-per-node=1 --nodelist="$(mf_join , "$@")"
+    # --ntasks too: srun otherwise takes the job's SLURM_NTASKS (one per node of the whole job) and
+    # refuses a step on fewer nodes ("More processors requested than permitted").
+    MF_CHECKPOINT_CMD=(srun --overlap --nodes="$#" --ntasks-per-node=1 --ntasks="$#" --nodelist="$(mf_join , "$@")"
                        bash -c 'pkill -TERM -P "$(cat "$0")"' "$MF_PIDFILE")
 }
 

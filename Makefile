@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: quickstart test test-unit test-distributed test-sglang lock clean
+.PHONY: quickstart test test-unit test-distributed test-sglang test-cluster lock clean
 
 $(STAMP): setup.py requirements/cpu-lock.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,13 @@ test-distributed: $(STAMP)
 test-sglang: $(STAMP)
 	bash tools/sglang_cpu/install.sh
 	MF_CONTRACT_BACKENDS=sglang $(PY) -m pytest tests/contract -q --durations=10
+
+# Cluster tier (root): a real Slurm cluster of three network-namespace hosts on this machine
+# (tools/cluster), the three sbatch templates on it, preemption with requeue, lost engine hosts.
+# tools/cluster/install.sh apt-installs slurmctld, slurmd, slurm-client and munge when missing.
+test-cluster: $(STAMP)
+	bash tools/cluster/install.sh
+	MF_CLUSTER_TESTS=1 $(PY) -m pytest tests/cluster -q -s --durations=10
 
 lock: $(STAMP)
 	$(PY) -m pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu$$/torch==\1/' > requirements/cpu-lock.txt.new

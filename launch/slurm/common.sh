@@ -82,6 +82,15 @@ mf_seq_list() {  # mf_seq_list FIRST LAST SEP: FIRST..LAST joined by SEP
     mf_join "$3" "${out[@]}"
 }
 
+mf_engine_backend() {  # ENGINE_BACKEND: sglang (default), or local: the project's own engine server (CPU hosts)
+    ENGINE_BACKEND=${ENGINE_BACKEND:-sglang}
+    case $ENGINE_BACKEND in
+        sglang) ;;
+        local) ((ENGINE_TP == 1)) || mf_die "ENGINE_BACKEND=local serves one device per engine: set ENGINE_TP=1, got $ENGINE_TP" ;;
+        *) mf_die "ENGINE_BACKEND must be sglang or local, got '$ENGINE_BACKEND'" ;;
+    esac
+}
+
 mf_config_args() {  # MF_CONFIG_ARGS=(--config F ...) from CONFIG (space-separated; later files win)
     MF_CONFIG_ARGS=()
     local file

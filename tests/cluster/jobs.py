@@ -63,8 +63,9 @@ class Job:
     job_id: str = ""
 
     def __post_init__(self) -> None:
-        self.run_dir = os.path.join(RUNS, f"{self.name}-{int(time.time() * 1000) % 10**9}")
-        os.makedirs(self.run_dir)
+        if not self.run_dir:  # a resubmission passes the first job's folder
+            self.run_dir = os.path.join(RUNS, f"{self.name}-{int(time.time() * 1000) % 10**9}")
+            os.makedirs(self.run_dir)
 
     @property
     def rl_dir(self) -> str:

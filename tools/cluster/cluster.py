@@ -165,6 +165,9 @@ SlurmctldHost={first}({address(first)})
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job waits cred_expire + 1 s before it starts again (Slurm's default: 120 s); short here
+# so that requeue tests fit CI.
+AuthInfo=cred_expire=10
 CredType=cred/munge
 StateSaveLocation={STATE}/state
 SlurmdSpoolDir={STATE}/spool/%n

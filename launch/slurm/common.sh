@@ -193,7 +193,17 @@ mf_finish() {  # mf_finish TRAINER_RC: stop engine steps, requeue after a USR1 s
     local rc=$1 pid
     mf_dry && { mf_log "dry run: nothing was started"; exit 0; }
     for pid in "${MF_ENGINE_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done  # srun forwards it
-    for pid in "${MF_ENGINE_PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+    # Bounded: an engine host that cannot be reached (link down) keeps its srun step waiting for
+    # Slurm to declare the node lost (SlurmdTimeout, minutes); the trainer's exit code goes out first.
+    local deadline=$((SECONDS + ${ENGINE_STOP_TIMEOUT:-60}))
+    for pid in "${MF_ENGINE_PIDS[@]}"; do
+        while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 1; done
+        if kill -0 "$pid" 2>/dev/null; then
+            mf_log "engine step (srun pid $pid) still running ${ENGINE_STOP_TIMEOUT:-60}s after SIGTERM (its host unreachable?): SIGKILL to srun"
+            kill -KILL "$pid" 2>/dev/null || true
+        fi
+        wait "$pid" 2>/dev/null || true
+    done
     if [[ ${MF_PREEMPTED:-0} == 1 && ${REQUEUE:-0} == 1 && $rc == 0 ]]; then
         mf_run scontrol requeue "$SLURM_JOB_ID"
     fi

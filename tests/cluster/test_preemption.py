@@ -22,7 +22,7 @@ import time
 from tests.cluster.jobs import FINISHED, Job, assert_accounted, assert_ledger_exact, host_pids, slurm
 from tests.cluster.test_templates import MULTI_ENV
 
-STEPS, SAVE_EVERY, PROMPTS_PER_STEP, ALPHA = 16, 2, 16, 2
+STEPS, SAVE_EVERY, PROMPTS_PER_STEP, ALPHA = 12, 2, 16, 2
 
 
 def overrides(run_dir: str) -> list[str]:

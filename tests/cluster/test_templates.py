@@ -74,10 +74,11 @@ def test_multi_node_disaggregated_learns_across_three_hosts(cluster, warm_model)
 
 def test_single_node_templates_complete(cluster, warm_model) -> None:
     """Both single-node templates at once, one host each (they ask for --exclusive)."""
+    steps = 12  # learning is the multi-node test's check: these two show that the templates run and account
     split = Job("split", "single_node_split.sbatch", {"GPUS_PER_NODE": "2", "TRAIN_GPUS": "1"},
-                [f"trainer.total_steps={STEPS}", "data.shuffle=false"])
+                [f"trainer.total_steps={steps}", "data.shuffle=false"])
     colocated = Job("colocated", "single_node_colocated.sbatch", {"GPUS_PER_NODE": "1"},
-                    [f"trainer.total_steps={STEPS}", "data.shuffle=false"])
+                    [f"trainer.total_steps={steps}", "data.shuffle=false"])
     started = time.monotonic()
     for job in (split, colocated):
         job.submit()
@@ -85,12 +86,12 @@ def test_single_node_templates_complete(cluster, warm_model) -> None:
         state = job.wait(timeout_s=300)
         assert state == "COMPLETED", f"{job.name} job {job.job_id}: {state}\n{job.logs()}"
         metrics = job.metrics()
-        assert len(metrics) == STEPS, job.logs()
+        assert len(metrics) == steps, job.logs()
         assert_accounted(metrics)
-        assert_ledger_exact(job.ledger(), steps=STEPS, prompts_per_step=16, alpha=alpha)
+        assert_ledger_exact(job.ledger(), steps=steps, prompts_per_step=16, alpha=alpha)
         assert max(r["staleness_max"] for r in metrics) <= alpha
         first, last = (sum(r["reward_mean"] for r in part) / 5 for part in (metrics[:5], metrics[-5:]))
-        # Learning is the multi-node test's check; 20 steps at alpha 2 on one rank are too few to
-        # rise reliably (seen: 0.048 -> 0.061), so here it is reported, not asserted.
+        # Reported, not asserted: a few steps at alpha 2 on one rank do not rise reliably (seen over
+        # 20 steps: 0.048 -> 0.061 once, 0.061 -> 0.350 another time).
         print(f"{job.name}: job {job.job_id} on {job.info()['NodeList']}, reward {first:.3f} -> {last:.3f}")
     print(f"single-node templates: {time.monotonic() - started:.0f} s for both")

@@ -192,7 +192,8 @@ JobRequeue=1
 SlurmdTimeout=300
 SlurmctldTimeout=60
 InactiveLimit=0
-KillWait=30
+# Job steps get SIGTERM, then SIGKILL this many seconds later (Slurm's default: 30).
+KillWait=10
 MinJobAge=600
 SchedulerParameters=defer_batch=0
 NodeName={PREFIX}[1-{len(names)}] CPUs={os.cpu_count() or 1} RealMemory=1000 State=UNKNOWN
@@ -289,6 +290,13 @@ def idle_or_busy(names: list[str]) -> bool:
     return len(states) == len(names) and all(line.split()[-1].rstrip("*~#") in ok for line in states)
 
 
+def stale_veths() -> list[str]:
+    """Root-side veth ends (mfv<i>) still present."""
+    out = run("ip", "-o", "link", "show", check=False).stdout
+    return [f.split("@")[0] for f in (line.split(": ")[1] for line in out.splitlines() if ": " in line)
+            if f.startswith("mfv")]
+
+
 def pids_in(name: str) -> list[int]:
     out = run("ip", "netns", "pids", name, check=False).stdout
     return [int(p) for p in out.split()]
@@ -312,9 +320,16 @@ def kill_all(pids: list[int], *, grace_s: float) -> None:
 def down(*, quiet: bool = False) -> None:
     hosts = existing_hosts()
     # Every process in a host's namespace is the cluster's: daemons, slurmstepd, job steps.
-    kill_all([p for h in hosts for p in pids_in(h)], grace_s=5)
+    kill_all([p for h in hosts for p in pids_in(h)], grace_s=3)
     for name in hosts:
         run("ip", "netns", "del", name, check=False)  # its veth end goes with it, and the pair with that
+    # The kernel dismantles a deleted namespace asynchronously: its veth pair lingers for a moment (an
+    # `up` right after `down` then found "File exists"). Wait for it; delete what is left after that.
+    deadline = time.monotonic() + 10
+    while stale_veths() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for link in stale_veths():
+        run("ip", "link", "del", link, check=False)
     if run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
         run("ip", "link", "del", BRIDGE, check=False)
     hosts_file_clear()

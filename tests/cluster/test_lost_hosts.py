@@ -112,7 +112,8 @@ def test_engine_host_gone_for_good_stops_the_run_by_its_deadline(cluster, warm_m
     job = Job("gone", "multi_node_disaggregated.sbatch", {**ENV, "ENGINE_MAX_RESTARTS": "0", "ENGINE_STOP_TIMEOUT": "5"},
               ["trainer.total_steps=200", "data.shuffle=false", f"engines.attach_probe_interval_s={PROBE_S}",
                f"engines.attach_probe_failures={PROBE_FAILURES}", f"engines.down_timeout_s={down_timeout_s}",
-               "weight_sync.timeout_s=5"], sbatch_args=["--nodes=2"])
+               # Requests stuck on the dead link end after this, not after the rollout drain's 30 s.
+               "weight_sync.timeout_s=5", "engines.request_timeout_s=10"], sbatch_args=["--nodes=2"])
     job.submit()
     job.wait_for_steps(1, timeout_s=150)
     assert in_host("mf-node2", "ip", "link", "set", "eth0", "down").returncode == 0

@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: quickstart test test-unit test-distributed test-sglang test-compat lock clean
+.PHONY: quickstart test test-unit test-distributed test-sglang test-compat test-cluster lock clean
 
 $(STAMP): setup.py requirements/cpu-lock.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ quickstart: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) launch/quickstart_cpu.py
 
 test: $(STAMP)
-	$(PY) -m pytest tests -q --durations=15 --ignore=tests/compat
+	$(PY) -m pytest tests -q --durations=15 --ignore=tests/compat --ignore=tests/cluster
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit -q
@@ -42,6 +42,13 @@ test-compat: $(STAMP)
 	bash tools/compat/install.sh $(MCORE_VERSION)
 	MF_COMPAT_MCORE=$(MCORE_VERSION) $(COMPAT_PY) -m pytest tests/compat tests/unit/test_megatron_compat.py \
 		tests/unit/test_rope.py tests/unit/test_versions.py -q --durations=10
+
+# Cluster tier (root): a real Slurm cluster of three network-namespace hosts on this machine
+# (tools/cluster), the three sbatch templates on it, preemption with requeue, lost engine hosts.
+# tools/cluster/install.sh apt-installs slurmctld, slurmd, slurm-client and munge when missing.
+test-cluster: $(STAMP)
+	bash tools/cluster/install.sh
+	MF_CLUSTER_TESTS=1 $(PY) -m pytest tests/cluster -q -s --durations=10
 
 lock: $(STAMP)
 	$(PY) -m pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu$$/torch==\1/' > requirements/cpu-lock.txt.new

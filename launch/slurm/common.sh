@@ -82,6 +82,15 @@ mf_seq_list() {  # mf_seq_list FIRST LAST SEP: FIRST..LAST joined by SEP
     mf_join "$3" "${out[@]}"
 }
 
+mf_engine_backend() {  # ENGINE_BACKEND: sglang (default), or local: the project's own engine server (CPU hosts)
+    ENGINE_BACKEND=${ENGINE_BACKEND:-sglang}
+    case $ENGINE_BACKEND in
+        sglang) ;;
+        local) ((ENGINE_TP == 1)) || mf_die "ENGINE_BACKEND=local serves one device per engine: set ENGINE_TP=1, got $ENGINE_TP" ;;
+        *) mf_die "ENGINE_BACKEND must be sglang or local, got '$ENGINE_BACKEND'" ;;
+    esac
+}
+
 mf_config_args() {  # MF_CONFIG_ARGS=(--config F ...) from CONFIG (space-separated; later files win)
     MF_CONFIG_ARGS=()
     local file
@@ -116,7 +125,9 @@ mf_trainer_wrap() {  # MF_WRAP=(bash -c ... PIDFILE)
 }
 
 mf_checkpoint_cmd() {  # MF_CHECKPOINT_CMD=(srun step that sends one SIGTERM to every trainer rank)
-    MF_CHECKPOINT_CMD=(srun --overlap --nodes="$#" --ntasks-per-node=1 --nodelist="$(mf_join , "$@")"
+    # --ntasks too: srun otherwise takes the job's SLURM_NTASKS (one per node of the whole job) and
+    # refuses a step on fewer nodes ("More processors requested than permitted").
+    MF_CHECKPOINT_CMD=(srun --overlap --nodes="$#" --ntasks-per-node=1 --ntasks="$#" --nodelist="$(mf_join , "$@")"
                        bash -c 'pkill -TERM -P "$(cat "$0")"' "$MF_PIDFILE")
 }
 
@@ -182,7 +193,17 @@ mf_finish() {  # mf_finish TRAINER_RC: stop engine steps, requeue after a USR1 s
     local rc=$1 pid
     mf_dry && { mf_log "dry run: nothing was started"; exit 0; }
     for pid in "${MF_ENGINE_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done  # srun forwards it
-    for pid in "${MF_ENGINE_PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+    # Bounded: an engine host that cannot be reached (link down) keeps its srun step waiting for
+    # Slurm to declare the node lost (SlurmdTimeout, minutes); the trainer's exit code goes out first.
+    local deadline=$((SECONDS + ${ENGINE_STOP_TIMEOUT:-60}))
+    for pid in "${MF_ENGINE_PIDS[@]}"; do
+        while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 1; done
+        if kill -0 "$pid" 2>/dev/null; then
+            mf_log "engine step (srun pid $pid) still running ${ENGINE_STOP_TIMEOUT:-60}s after SIGTERM (its host unreachable?): SIGKILL to srun"
+            kill -KILL "$pid" 2>/dev/null || true
+        fi
+        wait "$pid" 2>/dev/null || true
+    done
     if [[ ${MF_PREEMPTED:-0} == 1 && ${REQUEUE:-0} == 1 && $rc == 0 ]]; then
         mf_run scontrol requeue "$SLURM_JOB_ID"
     fi

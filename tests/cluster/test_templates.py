@@ -1,0 +1,97 @@
+"""The three sbatch templates, unchanged, on a real three-host Slurm cluster (tools/cluster), with the
+quickstart's warm tiny model on CPU. CPU hosts set only documented variables: ENGINE_BACKEND=local,
+GPUS_PER_NODE (trainer ranks / engine slots per host), and `sbatch --gpus-per-node=0` overrides the
+GPU directive.
+
+    multi_node_disaggregated   mf-node1 + mf-node2: torchrun --nnodes=2, c10d rendezvous on mf-node1,
+                               DP2 over gloo; mf-node3: one local engine server bound to mf-node3's
+                               address with the API key; weights by broadcast across hosts
+    single_node_split          one host: 1 trainer rank + 1 engine started by rank 0 (broadcast)
+    single_node_colocated      one host: 1 trainer rank + 1 engine, time-shared (alpha 0)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from tests.cluster.jobs import API_KEY, Job, assert_accounted, assert_ledger_exact, in_host
+
+STEPS = 20
+MULTI_ENV = {"TRAIN_NODES": "2", "GPUS_PER_NODE": "1", "ENGINE_TP": "1", "HEALTH_POLL_S": "1",
+             "ENGINE_STARTUP_TIMEOUT": "120", "ENGINE_ARGS": "--num-threads 1"}
+
+
+def curl(host: str, url: str, *headers: str) -> tuple[int, str]:
+    args = ["curl", "-s", "-m", "5", "-o", "/dev/stdout", "-w", "\n%{http_code}"]
+    for h in headers:
+        args += ["-H", h]
+    out = in_host(host, *args, url).stdout.rsplit("\n", 1)
+    return (int(out[-1]) if out[-1].isdigit() else 0), out[0]
+
+
+def test_multi_node_disaggregated_learns_across_three_hosts(cluster, warm_model) -> None:
+    job = Job("multi", "multi_node_disaggregated.sbatch", MULTI_ENV,
+              [f"trainer.total_steps={STEPS}", "trainer.micro_batch_size=64", "data.shuffle=false"],
+              sbatch_args=["--nodes=3"])
+    started = time.monotonic()
+    job.submit()
+    job.wait_for_steps(2, timeout_s=150)
+
+    # The engine serves on mf-node3's own address, reached from a trainer host; the key is required
+    # there, and only the key's holder sees the weights the trainer broadcast to it.
+    engine = "http://mf-node3:30000"
+    code, _ = curl("mf-node1", f"{engine}/get_weight_version")
+    assert code == 401, f"GET /get_weight_version without the key from mf-node1 answered {code}"
+    code, _ = curl("mf-node1", f"{engine}/generate")
+    assert code == 401, f"POST /generate without the key from mf-node1 answered {code}"
+    code, body = curl("mf-node1", f"{engine}/get_weight_version", f"Authorization: Bearer {API_KEY}")
+    assert code == 200 and int(json.loads(body)["weight_version"]) >= 1, (code, body)
+    code, _ = curl("mf-node3", "http://127.0.0.1:30000/health")
+    assert code == 0, "the engine also answered on loopback: it must bind its host's address only"
+
+    state = job.wait(timeout_s=240)
+    elapsed = time.monotonic() - started
+    assert state == "COMPLETED", f"job {job.job_id}: {state}\n{job.logs()}"
+    info = job.info()
+    assert info["NodeList"] == "mf-node[1-3]", info
+    metrics, ledger = job.metrics(), job.ledger()
+    assert len(metrics) == STEPS, job.logs()
+    assert_accounted(metrics)
+    assert_ledger_exact(ledger, steps=STEPS, prompts_per_step=16, alpha=2)
+    # Weights went mf-node1 -> mf-node3 by broadcast every step, and the engine scores as the trainer does.
+    assert all(r["sync_gb"] > 0 for r in metrics)
+    assert max(r["train_infer_logprob_diff"] for r in metrics) < 0.05
+    first, last = (sum(r["reward_mean"] for r in part) / 5 for part in (metrics[:5], metrics[-5:]))
+    assert last > first + 0.1, f"reward did not rise: first-5 mean {first:.3f}, last-5 mean {last:.3f}"
+    log = open(job.batch_log).read()
+    assert "trainer on mf-node1 mf-node2; engines on mf-node3" in log and "# trainer exit code 0" in log
+    for host in ("mf-node1", "mf-node2"):  # one torchrun agent per trainer host, in one rendezvous
+        trainer_log = open(f"{job.run_dir}/slurm/trainer-{host}.log").read()
+        assert "Traceback" not in trainer_log, trainer_log[-3000:]
+    print(f"multi_node_disaggregated: job {job.job_id} {elapsed:.0f} s, reward {first:.3f} -> {last:.3f}")
+
+
+def test_single_node_templates_complete(cluster, warm_model) -> None:
+    """Both single-node templates at once, one host each (they ask for --exclusive)."""
+    steps = 12  # learning is the multi-node test's check: these two show that the templates run and account
+    split = Job("split", "single_node_split.sbatch", {"GPUS_PER_NODE": "2", "TRAIN_GPUS": "1"},
+                [f"trainer.total_steps={steps}", "data.shuffle=false"])
+    colocated = Job("colocated", "single_node_colocated.sbatch", {"GPUS_PER_NODE": "1"},
+                    [f"trainer.total_steps={steps}", "data.shuffle=false"])
+    started = time.monotonic()
+    for job in (split, colocated):
+        job.submit()
+    for job, alpha in ((split, 2), (colocated, 0)):
+        state = job.wait(timeout_s=300)
+        assert state == "COMPLETED", f"{job.name} job {job.job_id}: {state}\n{job.logs()}"
+        metrics = job.metrics()
+        assert len(metrics) == steps, job.logs()
+        assert_accounted(metrics)
+        assert_ledger_exact(job.ledger(), steps=steps, prompts_per_step=16, alpha=alpha)
+        assert max(r["staleness_max"] for r in metrics) <= alpha
+        first, last = (sum(r["reward_mean"] for r in part) / 5 for part in (metrics[:5], metrics[-5:]))
+        # Reported, not asserted: a few steps at alpha 2 on one rank do not rise reliably (seen over
+        # 20 steps: 0.048 -> 0.061 once, 0.061 -> 0.350 another time).
+        print(f"{job.name}: job {job.job_id} on {job.info()['NodeList']}, reward {first:.3f} -> {last:.3f}")
+    print(f"single-node templates: {time.monotonic() - started:.0f} s for both")

@@ -43,6 +43,10 @@ from megatron_flash.types import Group, Sample
 
 logger = logging.getLogger(__name__)
 
+# At stop: how long aborted requests may take to return their partial output, and the grace when the
+# abort could not reach the engines (nothing will return; the tasks are cancelled after it).
+DRAIN_TIMEOUT_S, DRAIN_AFTER_FAILED_ABORT_S = 30.0, 2.0
+
 
 def deterministic_refusal(error: BaseException) -> Optional[BaseException]:
     """The engine's HTTP 4xx refusal behind `error` (prompt too long, bad sampling parameters, an
@@ -208,13 +212,18 @@ class RolloutScheduler:
             raise error
 
     async def _drain(self) -> None:
+        """Abort what is in flight and give the aborted requests time to come back with their partial
+        output; cancel the rest. When the abort itself failed (an engine host unreachable), nothing is
+        coming back: a short grace, not the full wait, so a stop on a dead link ends promptly."""
         if not self._tasks:
             return
+        timeout = DRAIN_TIMEOUT_S
         try:
             await self.proxy.abort_all()
         except Exception as e:  # engines may already be gone
             logger.warning("abort_all at rollout stop failed: %s", e)
-        done, pending = await asyncio.wait(list(self._tasks), timeout=30)
+            timeout = DRAIN_AFTER_FAILED_ABORT_S
+        done, pending = await asyncio.wait(list(self._tasks), timeout=timeout)
         for t in pending:
             t.cancel()
 

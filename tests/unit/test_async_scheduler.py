@@ -572,3 +572,26 @@ def test_a_duplicate_request_id_refusal_is_transient_not_the_prompts_fault() -> 
         raise RuntimeError("group failed") from duplicate
     except RuntimeError as wrapped:
         assert deterministic_refusal(wrapped) is None
+
+
+class _UnreachableProxy(FakeProxy):
+    """An engine host whose link is cut: requests hang and the abort cannot reach it."""
+
+    async def abort_all(self) -> None:
+        raise ConnectionError("engine host unreachable")
+
+
+def test_stop_on_an_unreachable_engine_cancels_after_a_short_grace_not_the_full_drain() -> None:
+    from megatron_flash.rollout import scheduler as scheduler_module
+
+    proxy = _UnreachableProxy(lambda rid: 3600.0)
+    h = start(alpha=1, batch=2, n=2, proxy=proxy)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(proxy.inflight) < 2:
+        time.sleep(0.005)
+    assert len(proxy.inflight) >= 2  # requests are hanging on the dead link
+    h.scheduler.stop()
+    # The full drain (30 s) would still be waiting long after this; the grace after a failed abort is 2 s.
+    h.thread.join(scheduler_module.DRAIN_TIMEOUT_S / 2)
+    assert not h.thread.is_alive()
+    assert proxy.inflight == {}  # every hanging request was cancelled, none left behind

@@ -39,11 +39,13 @@
 #                 with --engine-device cuda on the static decoder (64 running per engine)
 #   The stages of the GPU rows still open, in order: engine, trainer, rollout_static (each run alone):
 #     GPU_DEADLINE=440 bash tools/gpu_session.sh run engine -- contract
+#   The newest megatron-core on the GPU (what Python 3.12 users get; CI tests it on CPU only):
+#     MCORE_VERSION=0.19.2 bash tools/gpu_session.sh download   (in a fresh .whl/), then e.g. `run quickstart`
 # docs/benchmarks.md says where each number goes.
 set -u
 cd "$(dirname "$0")/.."
 
-WHEELS="megatron-core==0.16.1 transformers==5.23.0 tokenizers==0.23.3 huggingface_hub==2.4.0 httpx2==2.16.2
+WHEELS="megatron-core==${MCORE_VERSION:-0.16.1} transformers==5.23.0 tokenizers==0.23.3 huggingface_hub==2.4.0 httpx2==2.16.2
 httpcore2==2.16.2 truststore==0.10.5 idna==3.20 anyio==4.16.0 omegaconf==2.4.0 antlr4-python3-runtime==4.13.2
 fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0
 typing-inspection==0.4.5 typing_extensions==4.16.0 uvicorn==0.54.0 math-verify==0.9.0

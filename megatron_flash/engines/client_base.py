@@ -45,6 +45,19 @@ class EngineHTTPError(EngineError):
         super().__init__(url, endpoint, f"HTTP {status}: {body[:1000]}")
 
 
+def deterministic_refusal(error: Optional[BaseException]) -> Optional[BaseException]:
+    """The engine's HTTP 4xx refusal behind `error` (prompt too long, bad sampling parameters, an
+    unknown field): the same request is refused again anywhere. 408 and 429 are transient."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if (isinstance(error, EngineHTTPError) and 400 <= error.status < 500 and error.status not in (408, 429)
+                and "duplicate request id" not in error.body.lower()):  # a timed-out copy still there: transient
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
 class MalformedReply(EngineError):
     """The reply does not follow SGLang's JSON contract; ``field`` names the offending field."""
 

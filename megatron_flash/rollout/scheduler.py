@@ -38,29 +38,13 @@ from megatron_flash.rollout.filters import overflowing_rewards
 from megatron_flash.rollout.group_runner import GroupDropped, GroupRunner
 from megatron_flash.counters import Counters
 from megatron_flash.engines.client import version_number
+from megatron_flash.engines.client_base import deterministic_refusal
 from megatron_flash.trace import tag_requests
 from megatron_flash.types import Group, Sample
 
 logger = logging.getLogger(__name__)
-
-# At stop: how long aborted requests may take to return their partial output, and the grace when the
-# abort could not reach the engines (nothing will return; the tasks are cancelled after it).
+# At stop: the wait for aborted requests' partial outputs; a short grace when the abort failed.
 DRAIN_TIMEOUT_S, DRAIN_AFTER_FAILED_ABORT_S = 30.0, 2.0
-
-
-def deterministic_refusal(error: BaseException) -> Optional[BaseException]:
-    """The engine's HTTP 4xx refusal behind `error` (prompt too long, bad sampling parameters, an
-    unknown field): the same request is refused again anywhere. 408 and 429 are transient."""
-    from megatron_flash.engines.client import EngineHTTPError
-
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if (isinstance(error, EngineHTTPError) and 400 <= error.status < 500 and error.status not in (408, 429)
-                and "duplicate request id" not in error.body.lower()):  # a timed-out copy still there: transient
-            return error
-        error = error.__cause__ or error.__context__
-    return None
 
 
 class RolloutError(RuntimeError):
@@ -212,15 +196,12 @@ class RolloutScheduler:
             raise error
 
     async def _drain(self) -> None:
-        """Abort what is in flight and give the aborted requests time to come back with their partial
-        output; cancel the rest. When the abort itself failed (an engine host unreachable), nothing is
-        coming back: a short grace, not the full wait, so a stop on a dead link ends promptly."""
         if not self._tasks:
             return
         timeout = DRAIN_TIMEOUT_S
         try:
             await self.proxy.abort_all()
-        except Exception as e:  # engines may already be gone
+        except Exception as e:  # engines gone or unreachable: nothing aborted will come back
             logger.warning("abort_all at rollout stop failed: %s", e)
             timeout = DRAIN_AFTER_FAILED_ABORT_S
         done, pending = await asyncio.wait(list(self._tasks), timeout=timeout)

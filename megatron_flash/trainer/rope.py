@@ -38,7 +38,7 @@ import torch
 from megatron_flash.versions import TESTED, installed
 
 _ORIGINAL: Any = None
-# The MLA flag's name in this version's `_apply_rotary_pos_emb_bshd` (set by `mla_keyword()`).
+# The MLA flag's name in this version's `_apply_rotary_pos_emb_bshd` (set by `check_signatures()`).
 _MLA_KEYWORD: Optional[str] = None
 _MLA_NAMES = ("mla_rotary_interleaved", "multi_latent_attention")
 _THD_KNOWN = frozenset({"t", "cu_seqlens", "freqs", "rotary_interleaved", "mscale", "cp_group", *_MLA_NAMES})

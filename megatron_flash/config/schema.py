@@ -312,6 +312,12 @@ class OptimizerConfig(_Section):
     """Optimizer steps of linear warm-up from 0 to lr."""
     lr_decay_style: str = "constant"
     """LR schedule after warm-up: constant|linear|cosine (decay to min_lr at trainer.total_steps)."""
+    skip_zero_grad: bool = True
+    """Skip the optimizer step (Adam's moments, its step count and weight decay untouched) when the whole
+    gradient is exactly zero: every advantage and loss term of the batch was zero, e.g. all replies of
+    every group scored alike. The LR schedule and the policy version still advance. Counted as
+    train/zero_grad_skipped. false = step anyway (moments decay toward zero on a saturated task, and
+    the next real gradient then takes an outsized step; trainer/weight_health.py)."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state and master weights over the data-parallel group (Megatron ZeRO-1)."""
     cpu_offload_fraction: float = 0.0

@@ -45,7 +45,7 @@ from megatron_flash.trainer.model_builder import (
     validate_layout,
 )
 from megatron_flash.hf.spec import HFModelSpec, read_hf_spec
-from megatron_flash.trainer.weight_health import weights_finite
+from megatron_flash.trainer.weight_health import grad_state, weights_finite
 from megatron_flash.types import TrainBatch
 
 MicroBatchLossFn = Callable[[TrainBatch, torch.Tensor, Optional[torch.Tensor]],
@@ -410,7 +410,14 @@ class MegatronPolicy:
             self.routing.counts.zero_()  # agreement of this step's training forwards only
         store = self._run(micro, forward_only=False, loss_factory=factory)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
-        if self._grads_finite():
+        finite, nonzero = grad_state(self.chunks, device=self.device)
+        zero_skipped = finite and not nonzero and self.settings.optimizer.skip_zero_grad
+        if zero_skipped:
+            # Nothing to learn from (trainer/weight_health.py says why Adam must not step); the LR
+            # schedule still follows the run's steps.
+            update_ok, grad_norm = False, 0.0
+            self.scheduler.step(increment=1)
+        elif finite:
             update_ok, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
         else:  # one NaN/inf gradient would poison every weight it reaches: no update, no LR step
@@ -419,7 +426,8 @@ class MegatronPolicy:
         # Finite gradients can still blow the weights up (a huge step): caught here, before any push.
         weights_bad = bool(update_ok) and not weights_finite(self.chunks, device=self.device)
         metrics = self._reduce_metrics(store, grad_norm=grad_norm, update_ok=update_ok)
-        metrics["nonfinite_skipped"] = float(not update_ok and grad_norm is None)
+        metrics["nonfinite_skipped"] = float(not finite)
+        metrics["zero_grad_skipped"] = float(zero_skipped)
         metrics["weights_nonfinite"] = float(weights_bad)
         metrics["lr"] = lr
         metrics["micro_batches"] = float(len(micro))
@@ -432,19 +440,6 @@ class MegatronPolicy:
         metrics.update(step_speed(self.spec, lengths, seconds=time.perf_counter() - started,  # host-synced above
                                   num_gpus=self.layout.world_size, device=self.device))
         return metrics
-
-    def _grads_finite(self) -> bool:
-        """Every gradient of every rank finite (one MAX all-reduce: all ranks decide alike)."""
-        bad = torch.zeros(1, device=self.device)
-        for chunk in self.chunks:
-            for param in chunk.parameters():
-                grad = getattr(param, "main_grad", None)
-                grad = param.grad if grad is None else grad
-                if grad is not None:  # stays on the device: one host sync for the whole model, below
-                    bad += (~torch.isfinite(grad)).any().to(bad.dtype)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return not bool(bad.item())
 
     def _check_routes(self, batch: TrainBatch, required: bool = True) -> TrainBatch:
         """Routing replay needs every sample's routes, laid out for this model."""

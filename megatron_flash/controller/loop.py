@@ -42,7 +42,7 @@ from megatron_flash import recipes
 from megatron_flash.buffer.sample_buffer import BufferClosed, SampleBuffer
 from megatron_flash.buffer.staleness import StalenessManager, staleness
 from megatron_flash.config.schema import RUN_MODES
-from megatron_flash.controller import assembly
+import megatron_flash.controller.assembly as assembly  # not via the package __init__, which imports us
 from megatron_flash.controller.checkpoints import Checkpoints, install_sigterm_flag
 from megatron_flash.controller.engine_handoff import EngineHandoff
 from megatron_flash.controller.step_metrics import StepRecorder, where_samples_went

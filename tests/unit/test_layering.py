@@ -149,7 +149,10 @@ def test_the_table_is_a_strict_order() -> None:
 
 
 def import_graph(sources: list[Path]) -> dict[str, set[str]]:
-    """megatron_flash module → the megatron_flash modules it imports at run time (lazy ones too)."""
+    """megatron_flash module → the megatron_flash modules it imports at run time (lazy ones too).
+    `from pkg import sub` counts pkg (its __init__) as well as pkg.sub: a package __init__ that imports
+    a module which itself does `from pkg import …` is a circle (Python tolerates it only while the
+    names read are submodules, and breaks the day one is not)."""
     modules = {module_of(p) for p in sources}
 
     def resolve(name: str) -> str:
@@ -163,6 +166,8 @@ def import_graph(sources: list[Path]) -> dict[str, set[str]]:
             if base.split(".")[0] != "megatron_flash":
                 continue
             targets |= {f"{base}.{n}" if f"{base}.{n}" in modules else resolve(base) for n in names or [""]}
+            if names and base in modules:  # `from pkg import x` runs (and reads) pkg/__init__ first
+                targets.add(base)
         graph[module_of(path)] = targets - {"", module_of(path)}
     return graph
 
@@ -200,6 +205,24 @@ def test_the_cycle_check_finds_a_circle() -> None:
     graph = import_graph(SOURCES)  # a submodule imported by name, and a lazy import inside a function
     assert "megatron_flash.controller.assembly" in graph["megatron_flash.controller.loop"]
     assert "megatron_flash.trainer.version_check" in graph["megatron_flash.controller.loop"]
+    assert "megatron_flash.controller" not in graph["megatron_flash.controller.loop"]  # no package-init circle
+
+
+def test_the_cycle_check_counts_a_package_init_circle(tmp_path: Path) -> None:
+    """pkg/__init__ imports pkg.a, and pkg.a does `from pkg import b`: a circle through the package's
+    __init__, which Python tolerates only while b is a submodule."""
+    pkg = tmp_path / "megatron_flash" / "pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from megatron_flash.pkg.a import run\n")
+    (pkg / "a.py").write_text("from megatron_flash.pkg import b\n")
+    (pkg / "b.py").write_text("X = 1\n")
+    global PACKAGE
+    saved, PACKAGE = PACKAGE, tmp_path / "megatron_flash"
+    try:
+        graph = import_graph(sorted(PACKAGE.rglob("*.py")))
+    finally:
+        PACKAGE = saved
+    assert find_cycle(graph) == ["megatron_flash.pkg", "megatron_flash.pkg.a", "megatron_flash.pkg"]
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))

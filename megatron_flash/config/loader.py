@@ -223,11 +223,20 @@ def _parse_override(item: str) -> Tuple[str, Any]:
         raise ConfigError(f"override '{item}' has an empty key or key part")
     if raw == "":
         return key, ""
+    if raw.strip() == "-":  # YAML reads a bare "-" as a list holding one null; typed here it is text
+        return key, raw.strip()
     try:
         return key, yaml.load(raw, Loader=_Loader)
     except yaml.YAMLError as err:
+        if not set(raw) & _YAML_STRUCTURE:  # e.g. "*" (an alias to YAML): plain text as typed
+            return key, raw
         problem = getattr(err, "problem", None) or str(err)
         raise ConfigError(f"cannot parse the value of override '{item}': {problem}", key=key) from None
+
+
+_YAML_STRUCTURE = set("[]{}:,'\"#|>")
+"""Characters that make an override value YAML structure (a list, a mapping, a quoted string); a value
+without them that YAML still cannot read (`*`, `*+`) is taken as the text typed."""
 
 
 def _nest(key: str, value: Any) -> Dict[str, Any]:

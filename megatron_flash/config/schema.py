@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Dict, List, Optional, Sequence
 
+from megatron_flash.config.task_args import TASKS_WITH_ARGS, check_task
+
 DTYPES = ("float32", "bfloat16", "float16")
 TRI_STATE = ("auto", "true", "false")
 ATTENTION_BACKENDS = ("auto", "flash", "local")
@@ -34,7 +36,6 @@ ROLLOUT_RUNNERS = ("thread", "process")
 STALE_POLICIES = ("drop", "regenerate")
 ADMISSIONS = ("adaptive", "eager")  # = buffer/staleness.py ADMISSIONS (a unit test keeps them equal)
 ENGINE_BACKENDS = ("local", "sglang", "attach")
-TASKS_WITH_ARGS = ("arith",)
 WEIGHT_TRANSPORTS = ("ipc", "broadcast", "disk")
 WANDB_MODES = ("offline", "online", "disabled")
 RECOMPUTE = ("none", "selective", "full")
@@ -750,10 +751,11 @@ class DataConfig(_Section):
         if self.split != "train" and os.path.splitext(self.path)[1].lower() in (".jsonl", ".json", ".parquet"):
             raise ValueError(f"data.split={self.split!r}: data.path={self.path!r} is a single file, which holds one "
                              "split (train); a split is chosen from a dataset directory or Hub dataset id")
-        if self.task_args and self.task not in TASKS_WITH_ARGS:
-            # the values themselves are checked where the task is built (rewards/arith.py), naming the key
-            raise ValueError(f"data.task_args is set, but data.task={self.task!r} takes no settings "
-                             f"(only {', '.join(TASKS_WITH_ARGS)} does)")
+        if self.task:
+            self.task_args = check_task(self.task, self.task_args, key="data.task_args")
+        elif self.task_args:
+            raise ValueError(f"data.task_args is set, but data.task is empty (only the built-in task "
+                             f"{', '.join(TASKS_WITH_ARGS)} takes settings)")
 
 
 @dataclass
@@ -788,6 +790,11 @@ class EvalConfig(_Section):
                 raise ValueError(f"eval.datasets.{name}.{unknown[0]} is not a data field ({', '.join(allowed)})")
             if not spec.get("path") and not spec.get("task"):
                 raise ValueError(f"eval.datasets.{name} needs a path or a task")
+            if spec.get("task"):  # named here by its own key, not as data.task_args
+                spec["task_args"] = check_task(spec["task"], spec.get("task_args") or {},
+                                               key=f"eval.datasets.{name}.task_args")
+            elif spec.get("task_args"):
+                raise ValueError(f"eval.datasets.{name}.task_args is set, but eval.datasets.{name}.task is empty")
             try:
                 DataConfig(**spec).validate()
             except ValueError as error:  # name the evaluation set, not the training data

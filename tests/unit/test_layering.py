@@ -13,7 +13,7 @@
   recipes      types (per-step batch shaping and diagnostics)       no
   tracking     config, trace                                        no
   losses       types                                                no
-  rewards      named, trace, types                                  no
+  rewards      config, named, trace, types                          no
   buffer       trace, types                                         no
   engines      ports, types                                         no
   hf           —                                                    yes
@@ -49,7 +49,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megatron_flash"
 ALLOWED: dict[str, set[str]] = {
     "config": set(), "types": set(), "ports": set(), "named": set(), "counters": set(), "planner": set(),
     "trace": set(), "versions": set(), "recipes": {"types"},
-    "tracking": {"config", "trace"}, "losses": {"types"}, "rewards": {"named", "trace", "types"},
+    "tracking": {"config", "trace"}, "losses": {"types"}, "rewards": {"config", "named", "trace", "types"},
     "buffer": {"trace", "types"}, "engines": {"ports", "types"}, "hf": set(),
     "rollout": {"buffer", "config", "counters", "engines", "named", "rewards", "trace", "types"},
     "agentic": {"config", "counters", "engines", "named", "ports", "rewards", "rollout", "trace", "types"},

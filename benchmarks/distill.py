@@ -1,7 +1,7 @@
 """On-policy distillation vs RL on the quickstart task, same budget, synchronous and asynchronous.
 
     OMP_NUM_THREADS=1 python benchmarks/distill.py [--steps 30] [--seeds 0,1] [--alphas 0,2] [--teacher-steps 60]
-    OMP_NUM_THREADS=1 python benchmarks/distill.py --topk 4 --runs rl,opd_only_topk,opd_reward_topk
+    OMP_NUM_THREADS=1 python benchmarks/distill.py --topk 1,2,4,8 --runs rl,opd_only_top1,opd_only_top2,...
 
 Teacher: the seed-0 sort4 warm model trained by RL (the quickstart config, --teacher-steps steps) to
 a high reward; built once and cached under runs/bench_models. Student, per seed: that seed's fresh
@@ -9,11 +9,13 @@ format-only warm model (same tokenizer; reward at chance, ≈ 1/24). Per seed an
 runs of --steps steps of 16 prompts × 8 samples with the quickstart's loss (tis) and lr:
 
   rl          the task reward alone
-  opd_only    distill.mode=only: the advantage is −λ · (log π_student − log π_teacher) per token (reward
-              logged, unused); the student's logprob from the training forward (distill.student_logprobs=current)
-  opd_reward  distill.mode=add: the task advantage plus that term
+  opd_only    distill.mode=only, distill.topk=0: the advantage is −λ · (log π_student − log π_teacher) per
+              token (reward logged, unused); the student's logprob from the training forward
+              (distill.student_logprobs=current); at α > 0 with distill.allow_sampled_estimate=true
+  opd_reward  distill.mode=add, distill.topk=0: the task advantage plus that term
+  opd_only_default  distill.mode=only and every other distill setting at its default (top-K)
   opd_only_behavior  (with --behavior) opd_only with the engine's logprob μ in k_t (student_logprobs=behavior)
-  opd_only_topk, opd_reward_topk  (with --topk K) distill.topk=K: instead of k_t in the advantage, the
+  opd_only_topK, opd_reward_topK  (with --topk K,...) distill.topk=K: instead of k_t in the advantage, the
               reverse KL over the teacher's top-K tokens (+ the rest) at each position is a loss term
 
 `final_reward` is the mean task reward of the last 5 steps; `steps_to_rl_final` is the first step at
@@ -34,8 +36,10 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 
-RUNS = {"rl": [], "opd_only": ["distill.mode=only"], "opd_reward": ["distill.mode=add"]}
-BEHAVIOR = {"opd_only_behavior": ["distill.mode=only", "distill.student_logprobs=behavior"]}
+SAMPLED = ["distill.topk=0"]  # the sampled-token estimate k_t alone (at α > 0 with allow_sampled_estimate)
+RUNS = {"rl": [], "opd_only": ["distill.mode=only", *SAMPLED], "opd_reward": ["distill.mode=add", *SAMPLED],
+        "opd_only_default": ["distill.mode=only"]}
+BEHAVIOR = {"opd_only_behavior": ["distill.mode=only", "distill.student_logprobs=behavior", *SAMPLED]}
 
 
 def teacher_model(steps: int, name: str) -> str:
@@ -86,7 +90,7 @@ def main() -> int:
     p.add_argument("--teacher-steps", type=int, default=60)
     p.add_argument("--coef", type=float, default=1.0, help="distill.coef (λ)")
     p.add_argument("--behavior", action="store_true", help="also opd_only with distill.student_logprobs=behavior")
-    p.add_argument("--topk", type=int, default=0, help="also opd_only_topk and opd_reward_topk with distill.topk=K")
+    p.add_argument("--topk", default="", help="K[,K...]: also opd_only_topK and opd_reward_topK with distill.topk=K")
     p.add_argument("--runs", default="", help="comma-separated labels to run (default: all selected above)")
     p.add_argument("--plot", default="docs/img/distill_sort4.png", help="'' = no plot")
     p.add_argument("--out", default="runs/bench_distill")
@@ -98,9 +102,9 @@ def main() -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     alphas = [int(a) for a in args.alphas.split(",")]
     runs = {**RUNS, **(BEHAVIOR if args.behavior else {})}
-    if args.topk:
-        runs.update({"opd_only_topk": ["distill.mode=only", f"distill.topk={args.topk}"],
-                     "opd_reward_topk": ["distill.mode=add", f"distill.topk={args.topk}"]})
+    for k in [int(k) for k in args.topk.split(",") if k]:
+        runs.update({f"opd_only_top{k}": ["distill.mode=only", f"distill.topk={k}"],
+                     f"opd_reward_top{k}": ["distill.mode=add", f"distill.topk={k}"]})
     if args.runs:
         unknown = set(args.runs.split(",")) - set(runs)
         if unknown or "rl" not in args.runs.split(","):
@@ -117,6 +121,8 @@ def main() -> int:
                 key = f"{label} α={alpha}"
                 distill = [] if not overrides else [f"distill.teacher={teacher}", f"distill.coef={args.coef}",
                                                     f"distill.base_port={benchlib.free_ports(1)}", *overrides, *ours]
+                if "distill.topk=0" in distill and alpha > 0:  # measuring it is the point
+                    distill.append("distill.allow_sampled_estimate=true")
                 rows, _ = benchlib.run_pipeline(
                     model=student, run_dir=os.path.join(benchlib.REPO, args.out, f"{label}_a{alpha}_s{seed}"), name=name,
                     overrides=[f"trainer.total_steps={args.steps}", f"trainer.seed={seed}", f"async_rl.alpha={alpha}",

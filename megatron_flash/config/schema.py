@@ -28,6 +28,8 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_
 ADVANTAGES = ("grpo", "rloo", "reinforce")
 PROX_LOGPROBS = ("recompute", "approximate")
 DISTILL_MODES = ("add", "only")
+DEFAULT_DISTILL_TOPK = 4
+"""distill.topk's default: the teacher's K most likely tokens per position (docs/benchmarks.md, the K sweep)."""
 DISTILL_STUDENT_LOGPROBS = ("current", "behavior")
 KL_ESTIMATORS = ("k1", "k3")
 DYNAMIC_FILTERS = ("none", "nonzero_std")  # built-ins; "module:function" names a user filter
@@ -888,12 +890,17 @@ class DistillConfig(_Section):
     """current (log π_student from the training forward, the policy being trained; no extra forward) |
     behavior (the student engine's logprob when it sampled the token, up to async_rl.alpha versions
     old: at α = 2 it pushed a sort4 student into ending its answers early)."""
-    topk: int = 0
-    """0: the sampled-token estimate k_t in the advantage (above). K > 0: the teacher scores its K most
-    likely tokens at every response position too (SGLang `top_logprobs_num`), and the loss gains
+    topk: int = DEFAULT_DISTILL_TOPK
+    """K > 0 (the default): the teacher scores its K most likely tokens at every response position too
+    (SGLang `top_logprobs_num`; the local engine answers it on its scoring requests), and the loss gains
     coef · the reverse KL over those K tokens plus the rest of the vocabulary, from the training forward
     (losses/distill.py); the task advantage stays (add) or is dropped (only). Needs
-    student_logprobs=current. Measured on sort4: k_t collapses at async_rl.alpha >= 1, top-K holds."""
+    student_logprobs=current. 0: only the sampled-token estimate k_t in the advantage (above), which
+    collapses on stale samples (measured on sort4: the student's reward fell to 0 at async_rl.alpha >= 1
+    while top-K learned; docs/benchmarks.md), so at alpha > 0 it needs allow_sampled_estimate."""
+    allow_sampled_estimate: bool = False
+    """Run topk=0 (the sampled-token estimate alone) at async_rl.alpha > 0 anyway, as loss.allow_uncorrected
+    does for an uncorrected loss: measuring it is the only reason to."""
     num_engines: int = 1
     """Teacher engines to launch; with urls, the length of urls."""
     base_port: int = 31000
@@ -912,13 +919,14 @@ class DistillConfig(_Section):
         self._at_least("num_engines", 1)
         self._at_least("topk", 0)
         self._require(not (self.topk and self.student_logprobs != "current"), "topk",
-                      "needs distill.student_logprobs=current: the top-K reverse KL is taken from the training "
-                      "forward (student_logprobs=behavior has only the sampled token's logprob)")
+                      "must be 0 with distill.student_logprobs=behavior: the top-K reverse KL is taken from the "
+                      "training forward (student_logprobs=behavior has only the sampled token's logprob)")
         self._require(1 <= self.base_port and self.base_port + self.num_engines - 1 <= 65535, "base_port",
                       f"must leave room for distill.num_engines={self.num_engines} ports in 1..65535")
         if not self.enabled:
             for name, default in (("urls", []), ("coef", 1.0), ("mode", "add"), ("student_logprobs", "current"),
-                                  ("topk", 0), ("num_engines", 1), ("base_port", 31000), ("server_args", {})):
+                                  ("topk", DEFAULT_DISTILL_TOPK), ("allow_sampled_estimate", False),
+                                  ("num_engines", 1), ("base_port", 31000), ("server_args", {})):
                 if getattr(self, name) != default:
                     raise ValueError(f"distill.{name} is set but distill.teacher is empty: distillation is off "
                                      "(set distill.teacher to the teacher checkpoint)")
@@ -1035,6 +1043,18 @@ class RunConfig:
                 f"(async_rl.alpha > 0, or trainer.mode=train_only); got async_rl.alpha={self.async_rl.alpha}, "
                 f"trainer.mode={trainer.mode}"
             )
+        if self.distill.enabled and self.distill.topk == 0 and self.async_rl.alpha > 0 \
+                and not self.distill.allow_sampled_estimate:
+            raise ValueError(
+                f"distill.topk=0 (the sampled-token estimate alone) is refused at async_rl.alpha="
+                f"{self.async_rl.alpha}: on stale samples it drove the student's reward to 0 and the reverse "
+                f"KL up (docs/benchmarks.md); use distill.topk={DEFAULT_DISTILL_TOPK} (the default), async_rl.alpha=0, "
+                f"or distill.allow_sampled_estimate=true to measure it")
+        if self.distill.allow_sampled_estimate and not (self.distill.enabled and self.distill.topk == 0
+                                                        and self.async_rl.alpha > 0):
+            raise ValueError("distill.allow_sampled_estimate=true is only used with distill.teacher set, "
+                             f"distill.topk=0 and async_rl.alpha > 0; got distill.topk={self.distill.topk}, "
+                             f"async_rl.alpha={self.async_rl.alpha}")
         if self.engines.colocate and self.async_rl.alpha != 0:
             raise ValueError(
                 f"async_rl.alpha must be 0 with engines.colocate=true (colocated engines sleep while the "

@@ -1,7 +1,8 @@
 """On-policy distillation end to end: `distill.teacher` launches a teacher engine beside the student's,
 every finished response is scored by it, and the teacher logprobs the run records (of the sampled
 tokens, and with distill.topk its top-k tokens at each position) equal a teacher-forced transformers
-forward of the teacher (fp32); the trainer's top-k reverse KL term is logged."""
+forward of the teacher (fp32); the trainer's top-k reverse KL term is logged. Every distill setting but
+the teacher is at its default (top-K, at the default α)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 
 import torch
 
+from megatron_flash.config.schema import DEFAULT_DISTILL_TOPK
 from megatron_flash.ports import free_ports
 from tests.e2e.test_async_pipeline import metrics, run, small_run
 
@@ -35,8 +37,7 @@ def test_teacher_scores_each_response_like_a_transformers_forward(tiny_models, t
     run_dir, dump = str(tmp_path / "opd"), str(tmp_path / "groups.jsonl")
     teacher = tiny_models["qwen2"]  # another architecture and weights, the same tokenizer
     run(small_run(tiny_models["llama"], run_dir, "trainer.total_steps=2", f"distill.teacher={teacher}",
-                  f"distill.base_port={free_ports(1)}", "distill.coef=0.5", "distill.topk=3",
-                  f"rollout.dump_path={dump}"),
+                  f"distill.base_port={free_ports(1)}", f"rollout.dump_path={dump}"),  # every other setting default
         timeout=600)
     rows = metrics(run_dir)
     assert [r["version"] for r in rows] == [1, 2]
@@ -48,7 +49,7 @@ def test_teacher_scores_each_response_like_a_transformers_forward(tiny_models, t
                            for s in samples)
     worst = 0.0
     for s in samples[:6]:
-        want, top_ids, top_lps = hf_response_scores(teacher, s["prompt_ids"], s["response_ids"], 3)
+        want, top_ids, top_lps = hf_response_scores(teacher, s["prompt_ids"], s["response_ids"], DEFAULT_DISTILL_TOPK)
         worst = max(worst, max(abs(a - b) for a, b in zip(s["teacher_logprobs"], want)))
         assert s["teacher_topk_ids"] == top_ids
         worst = max(worst, max(abs(a - b) for got, ref in zip(s["teacher_topk_logprobs"], top_lps)

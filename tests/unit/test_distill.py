@@ -73,6 +73,7 @@ def test_config_rules() -> None:
                      (["distill.teacher=/t", "distill.coef=0"], "distill.coef"),
                      (["distill.teacher=/t", "distill.student_logprobs=engine"], "distill.student_logprobs"),
                      (["distill.student_logprobs=behavior"], "distill.student_logprobs"),
+                     (["distill.topk=2"], "distill.topk"),
                      (["distill.teacher=/t", "distill.urls=[http://a:1,http://b:2]"], "distill.num_engines"),
                      (["distill.teacher=/t", "distill.urls=[http://a:1]", "distill.server_args={x: 1}"],
                       "distill.server_args"),
@@ -213,10 +214,33 @@ def test_in_the_loss_the_topk_reverse_kl_is_a_term_of_the_student_forward(mode: 
 
 def test_topk_config_rules() -> None:
     assert load_config(None, ["distill.teacher=/t", "distill.topk=8"]).distill.topk == 8
-    for bad in (["distill.topk=4"], ["distill.teacher=/t", "distill.topk=-1"],
-                ["distill.teacher=/t", "distill.topk=4", "distill.student_logprobs=behavior"]):
+    for bad in (["distill.topk=8"], ["distill.teacher=/t", "distill.topk=-1"],
+                ["distill.teacher=/t", "distill.topk=4", "distill.student_logprobs=behavior"],
+                ["distill.teacher=/t", "distill.student_logprobs=behavior"]):  # the default K needs the forward
         with pytest.raises(ValueError, match=r"distill\.topk"):
             load_config(None, bad)
+
+
+def test_distillation_defaults_to_top_k_and_refuses_the_sampled_estimate_on_stale_samples() -> None:
+    """The defaults are the safe setting: top-4 at the default α = 2. topk=0 (k_t alone, which collapsed
+    on stale samples) runs at α = 0, or at α > 0 only when allowed explicitly; the allowance itself is
+    refused where nothing uses it."""
+    on = load_config(None, ["distill.teacher=/t", "distill.mode=only"])
+    assert on.distill.topk == 4 and on.async_rl.alpha == 2 and not on.distill.allow_sampled_estimate
+    with pytest.raises(ValueError, match=r"^distill.topk=0 \(the sampled-token estimate alone\) is refused at "
+                                         r"async_rl.alpha=2: .*distill.allow_sampled_estimate=true to measure it"):
+        load_config(None, ["distill.teacher=/t", "distill.topk=0"])
+    assert load_config(None, ["distill.teacher=/t", "distill.topk=0", "async_rl.alpha=0"]).distill.topk == 0
+    allowed = load_config(None, ["distill.teacher=/t", "distill.topk=0", "distill.allow_sampled_estimate=true"])
+    assert allowed.distill.allow_sampled_estimate and allowed.distill.topk == 0
+    behavior = load_config(None, ["distill.teacher=/t", "distill.topk=0", "distill.student_logprobs=behavior",
+                                  "async_rl.alpha=0"])
+    assert behavior.distill.student_logprobs == "behavior"
+    for unused in (["distill.teacher=/t", "distill.allow_sampled_estimate=true"],
+                   ["distill.teacher=/t", "distill.topk=0", "async_rl.alpha=0", "distill.allow_sampled_estimate=true"],
+                   ["distill.allow_sampled_estimate=true"]):
+        with pytest.raises(ValueError, match=r"distill\.allow_sampled_estimate"):
+            load_config(None, unused)
 
 
 def test_top_logprobs_reply_is_checked() -> None:

@@ -38,6 +38,9 @@ def test_behaviour_logprobs_match_the_labelled_version(tiny_models, tmp_path, pa
     run(small_run(tiny_models["llama"], run_dir, "async_rl.alpha=2", "trainer.total_steps=6",
                   "trainer.version_check_interval=1", f"rollout.pause_mode={pause_mode}",
                   f"weight_sync.transport={transport}", "rollout.max_new_tokens=16",
+                  # one group (4 sequences) generating at a time: rollout is slower than the tiny model's
+                  # train step, so pushes land while samples are generating whatever the box's speed
+                  "engines.server_args={max_running_requests: 4}",
                   "loss.name=tis"), timeout=600)  # tis trains every response token: all are counted
     rows = metrics(run_dir)
     assert len(rows) == 6

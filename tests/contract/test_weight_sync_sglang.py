@@ -1,5 +1,5 @@
 """The weight bridge against every contract backend: a single-rank Megatron trainer (tools/weight_sync/
-verify.py as a subprocess) pushes its weights with each transport into this module's own server.
+verify.py as a subprocess) pushes its weights with each transport into the session's server (restored to the checkpoint after).
 
     make test           → the local engine server
     make test-sglang    → real SGLang 0.5.23 on CPU (MF_CONTRACT_BACKENDS=sglang)
@@ -27,17 +27,17 @@ import sys
 
 import pytest
 
-from tests.contract.conftest import BACKENDS, REPO, launch_engine
-from tests.contract.helpers import http, post, teacher_logprobs
+from tests.contract.conftest import REPO
+from tests.contract.helpers import http, post, restore_checkpoint, teacher_logprobs
 
 TRANSPORTS = [("ipc", 1, 11), ("broadcast", 2, 12), ("disk", 3, 13)]
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def server(request: pytest.FixtureRequest, tiny_models: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
-    server = launch_engine(request.param, tiny_models["llama"], str(tmp_path_factory.mktemp("weight_sync_logs")))
-    yield server
-    server.stop()
+@pytest.fixture(scope="module")
+def server(engine):
+    """The session's engine (a real SGLang start costs ~30 s), put back as it was after the module."""
+    yield engine
+    restore_checkpoint(engine)
 
 
 def test_input_logprobs_for_the_probe(server) -> None:
@@ -68,7 +68,7 @@ def test_bridge_sync_is_exact_on_the_engine(server, tiny_models: dict[str, str],
                                             steps: int, version: int) -> None:
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     # Output to files, not pipes: with ipc the trainer's torch_shm_manager daemon inherits its stdout/stderr
-    # and lives as long as this module's server (a client of it), so a pipe would never reach EOF.
+    # and lives as long as the session's server (a client of it), so a pipe would never reach EOF.
     with open(out, "w") as stdout, open(err, "w") as stderr:
         code = subprocess.run([sys.executable, "tools/weight_sync/verify.py", "--model-path", tiny_models["llama"],
                                "--transport", transport, "--engine-url", server.url, "--steps", str(steps),

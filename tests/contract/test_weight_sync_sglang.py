@@ -36,7 +36,7 @@ from tests.contract.helpers import http, post, restore_checkpoint, teacher_logpr
 
 TRANSPORTS = ("ipc", "broadcast", "disk")
 FIRST_VERSION, STEPS = 11, 2  # each sync's version: FIRST_VERSION + its index among the launch's transports
-STALE_MIN = 1e-2  # two SGD steps move the engine's logprobs by far more than this (tests/distributed/test_weight_sync.py)
+STALE_MIN = 1e-2  # two SGD steps move the logprobs by far more (as in tests/distributed/test_weight_sync.py)
 
 
 @pytest.fixture(scope="module")

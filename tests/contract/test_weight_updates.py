@@ -2,7 +2,8 @@
 broadcast where this test process is rank 0. After each, the engine's logprobs equal a teacher-forced
 forward of the new weights and meta_info.weight_version is the version sent with the update.
 
-Model sequence on the session's server:  seed0 ─disk→ seed1 ─tensor→ seed0 ─dist→ seed1 ─dist(bucket)→ seed0,
+Model sequence on the session's server:
+    seed0 ─disk→ seed1 ─tensor→ seed0 ─dist→ seed1 ─dist(bucket)→ seed0,
 then the checkpoint again under its label "default" (restore_checkpoint) for the modules after this one.
 """
 

@@ -22,9 +22,7 @@ import torch
 from megatron_flash.ports import free_ports
 from tests.conftest import REPO
 
-# 20 steps: the three kills land within the first ~15 (each 1-4 steps after a start), the last start
-# finishes the run, and two HF exports (steps 10 and 20) are written through the kills.
-ALPHA, PROMPTS_PER_STEP, N, STEPS = 1, 4, 4, 20
+ALPHA, PROMPTS_PER_STEP, N, STEPS = 1, 4, 4, 30
 HF_EVERY = 10  # checkpoint.save_hf_interval
 
 

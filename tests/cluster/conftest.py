@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.cluster.jobs import CLUSTER, WARM_MODEL, WARM_SEED
+from tests.cluster.jobs import CLUSTER, WARM_MODEL
 from tests.conftest import REPO
 
 HOSTS = 3
@@ -89,10 +89,10 @@ def cluster(_session_cluster):
 @pytest.fixture(scope="session")
 def warm_model() -> str:
     """The quickstart's tiny model after its format-only warm-up: benchlib's cached one (built once, ~30 s,
-    kept under runs/bench_models; the learning guard and the soak of `make test` use it too)."""
+    kept under runs/bench_models; the soak of `make test` uses it too)."""
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     from benchlib import quickstart_warm_model
 
-    path = quickstart_warm_model(seed=WARM_SEED, name="cluster")
+    path = quickstart_warm_model(seed=0, name="cluster")
     assert path == WARM_MODEL, (path, WARM_MODEL)
     return path

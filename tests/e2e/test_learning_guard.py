@@ -2,7 +2,7 @@
 as synchronous ppo on the same sample budget. Off-policy learning regressed once without any test
 noticing (docs/benchmarks.md, "Asynchronous learning at α = 2"); this catches a repeat in ~2 minutes.
 
-    warm-up    the quickstart's format-only sort4 warm model (300 Megatron steps, seed 2; benchlib's cache)
+    warm-up    the quickstart's format-only sort4 warm model (300 Megatron steps, seed 2)
     sync       launch/pretrain_async_rl.py, configs/quickstart_cpu.yaml, α = 0, ppo, 40 steps, seed 2
     async      the same with α = 2 and tis (the quickstart's loss), three times
     statistics D = median final reward of the three async runs − final reward of the sync run
@@ -33,25 +33,14 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 
 from megatron_flash.ports import free_ports
-from tests.conftest import REPO, run_tool
+from tests.conftest import run_tool
 
 SEED = 2
 STEPS = 40
 MARGIN_D = 0.2
 MAX_MISMATCH = 0.10
-
-
-def warm_model() -> str:
-    """benchlib's cached sort4 warm model of seed SEED: the model the thresholds were measured on
-    (benchmarks/learning.py takes it from the same cache), built once and shared with the soak
-    (tests/e2e/test_soak.py runs on it too)."""
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    from benchlib import quickstart_warm_model
-
-    return quickstart_warm_model(seed=SEED, name="learning_guard")
 
 
 def rows_of(run_dir: str) -> list[dict]:
@@ -62,12 +51,14 @@ def rows_of(run_dir: str) -> list[dict]:
 
 
 def test_async_tis_learns_like_sync_ppo(tmp_path) -> None:
-    warm = warm_model()
+    warm = tmp_path / "warm"
+    run_tool(["benchmarks/benchlib.py", "warm", "--out", str(warm), "--task", "sort4", "--seed", str(SEED),
+              "--sft-steps", "300"], timeout=600)
     final, mismatch = {}, {}
     for name, alpha, loss in (("sync", 0, "ppo"), ("async_a", 2, "tis"), ("async_b", 2, "tis"), ("async_c", 2, "tis")):
         run_dir = str(tmp_path / name)
         run_tool(["launch/pretrain_async_rl.py", "--config", "configs/quickstart_cpu.yaml",
-                  f"model.hf_path={warm}", f"logging.dir={run_dir}", f"engines.base_port={free_ports(1)}",
+                  f"model.hf_path={warm / 'warm_model'}", f"logging.dir={run_dir}", f"engines.base_port={free_ports(1)}",
                   "logging.wandb_mode=disabled", "logging.tensorboard=false", "checkpoint.save_hf_at_end=false",
                   f"async_rl.alpha={alpha}", f"loss.name={loss}", f"trainer.total_steps={STEPS}",
                   f"trainer.seed={SEED}"], timeout=600)

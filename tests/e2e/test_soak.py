@@ -1,17 +1,12 @@
-"""The soak of issue 37, compressed to 2.5 minutes (benchmarks/soak.py --compressed): the quickstart run with
+"""The soak of issue 37, compressed to 3 minutes (benchmarks/soak.py --compressed): the quickstart run with
 a trainer SIGTERM and resume, two engine kills, reward errors and two reward timeouts, and one weight sync
 cut mid-transfer; every aim of the long soak asserted, from the benchmark's own verdict (its last stdout
 line), except two that are the long run's: the step-time ratio (a timing, which depends on what else
 the box runs, belongs in the benchmark's report, docs/benchmarks.md "Soak", not in a pass/fail test) and
-"reward still rising at the end" (on a quiet box the quickstart saturates within these minutes, and
+"reward still rising at the end" (on a quiet box the quickstart saturates within these 3 minutes, and
 a saturated reward dips by a few hundredths either way: 0.982 → 0.91 in one run). For the latter the
 test asserts that the run learned through the faults and held it: the last tenth ≥ the first + 0.3
-and ≥ 0.8. The aims can fail: each compares a measured number with its limit (soak_aims.py).
-
-Why 2.5 minutes, not less: the flat-resource aims need 6 samples after the warm-up outside every
-fault's window, and at 2.5 minutes the five faults (evenly spaced between W = 50 s and F = 127.5 s,
-each window ≥ 17 s) leave ~5 s before the first and ~8 s after the last; at 2 minutes that is ~2 s
-at the end. Samples every second (not the compressed default of 2) keep ≥ 6 on a loaded box."""
+and ≥ 0.8. The aims can fail: each compares a measured number with its limit (soak_aims.py)."""
 
 from __future__ import annotations
 
@@ -25,8 +20,7 @@ NOT_HERE = ("step_time_max_over_median", "reward_rising_at_end")
 
 def test_compressed_soak_meets_every_aim(tmp_path) -> None:
     out = str(tmp_path / "soak")
-    proc = run_tool(["benchmarks/soak.py", "--minutes", "2.5", "--compressed", "--sample-s", "1", "--out", out,
-                     "--report-only"],
+    proc = run_tool(["benchmarks/soak.py", "--minutes", "3", "--compressed", "--out", out, "--report-only"],
                     timeout=420)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(NOT_HERE) <= set(result["aims"]), result["aims"]

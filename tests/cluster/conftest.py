@@ -44,23 +44,26 @@ def _cluster(command: str) -> None:
     assert proc.returncode == 0, f"cluster {command} failed: {proc.stderr}{proc.stdout}"
 
 
-def _idle() -> str | None:
-    """None when no job is queued or running and every host is idle; else what is not."""
+def _idle() -> tuple[str | None, bool]:
+    """(None when no job is queued or running and every host is idle, else what is not; whether waiting
+    can help: a job still ending, or hosts still busy with it)."""
     from tests.cluster.jobs import slurm
 
     try:
         jobs = slurm("squeue", "-h", "-o", "%i %T").strip()
         nodes = slurm("sinfo", "-h", "-N", "-o", "%N %T").strip().splitlines()
     except (AssertionError, subprocess.SubprocessError) as error:
-        return str(error)
-    if jobs or len(nodes) != HOSTS or not all(line.split()[-1] == "idle" for line in nodes):
-        return f"squeue: {jobs or '-'}; sinfo: {'; '.join(nodes)}"
-    return None
+        return str(error), False
+    states = [line.split()[-1] for line in nodes]
+    if not jobs and len(states) == HOSTS and all(s == "idle" for s in states):
+        return None, False
+    passing = len(states) == HOSTS and all(s in ("idle", "mixed", "allocated", "completing") for s in states)
+    return f"squeue: {jobs or '-'}; sinfo: {'; '.join(nodes)}", passing
 
 
 @pytest.fixture(scope="session")
 def _session_cluster():
-    """One cluster for the whole tier: bringing it up and down costs ~35 s, once instead of per module."""
+    """One cluster for the whole tier: bringing it up and down (6-15 s) once instead of per module."""
     reason = _why_not()
     if reason:
         pytest.skip(reason)
@@ -75,14 +78,16 @@ def _session_cluster():
 def cluster(_session_cluster):
     """The session's cluster, idle, as a fresh one would be: a module must not inherit a previous one's
     job, or a host it left drained or down (then the cluster is made again)."""
-    deadline = time.monotonic() + 60  # a cancelled job's steps take a few seconds to be cleaned up
-    while (why := _idle()) is not None and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30  # a cancelled job's steps take a few seconds to be cleaned up
+    why, passing = _idle()
+    while why is not None and passing and time.monotonic() < deadline:
         time.sleep(1)
-    if why is not None:
+        why, passing = _idle()
+    if why is not None:  # a job that does not end, a host drained, down or not responding
         print(f"cluster not idle after the previous module ({why}): down and up again")
         _cluster("down")
         _cluster("up")
-        assert _idle() is None, _idle()
+        assert _idle()[0] is None, _idle()
     return _session_cluster
 
 

@@ -31,7 +31,13 @@ def server(engine):
 
 
 @pytest.fixture(scope="module")
-def local_server(tiny_models: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
+def local_server(engine, tiny_models: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
+    """Our own engine server: the session's engine where that is ours (put back as it was after the
+    module), else one started here (the SGLang tier)."""
+    if engine.local:
+        yield engine
+        restore_checkpoint(engine)
+        return
     server = launch_engine(LOCAL_BACKEND, tiny_models["llama"], str(tmp_path_factory.mktemp("mem_cpu_logs")))
     yield server
     server.stop()

@@ -1,10 +1,11 @@
 """The cluster tier (`make test-cluster`): a real Slurm cluster of three hosts on this machine
 (tools/cluster), the sbatch templates submitted to it unchanged, the quickstart's warm tiny model.
 
-The cluster comes up once per test module and always goes down (even when a test fails or pytest is
-interrupted). Skipped with the reason when this machine cannot run it: not root, no network
-namespaces, Slurm not installable; and outside `make test-cluster` (MF_CLUSTER_TESTS=1), so that
-`make test` does not spend minutes here.
+The cluster comes up once per session and always goes down (even when a test fails or pytest is
+interrupted); each module starts on an idle cluster (no job left, every host idle), and one that a
+previous module left otherwise is brought down and up again. Skipped with the reason when this
+machine cannot run it: not root, no network namespaces, Slurm not installable; and outside
+`make test-cluster` (MF_CLUSTER_TESTS=1), so that `make test` does not spend minutes here.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from tests.cluster.jobs import CLUSTER, MODEL_DIR
+from tests.cluster.jobs import CLUSTER, WARM_MODEL
 from tests.conftest import REPO
 
 HOSTS = 3
@@ -36,24 +38,66 @@ def _why_not() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def cluster():
+def _cluster(command: str) -> None:
+    args = [command, str(HOSTS)] if command == "up" else [command]
+    proc = subprocess.run([sys.executable, CLUSTER, *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"cluster {command} failed: {proc.stderr}{proc.stdout}"
+
+
+def _idle() -> tuple[str | None, bool]:
+    """(None when no job is queued or running and every host is idle, else what is not; whether waiting
+    can help: a job still ending, or hosts still busy with it)."""
+    from tests.cluster.jobs import slurm
+
+    try:
+        jobs = slurm("squeue", "-h", "-o", "%i %T").strip()
+        nodes = slurm("sinfo", "-h", "-N", "-o", "%N %T").strip().splitlines()
+    except (AssertionError, subprocess.SubprocessError) as error:
+        return str(error), False
+    states = [line.split()[-1] for line in nodes]
+    if not jobs and len(states) == HOSTS and all(s == "idle" for s in states):
+        return None, False
+    passing = len(states) == HOSTS and all(s in ("idle", "mixed", "allocated", "completing") for s in states)
+    return f"squeue: {jobs or '-'}; sinfo: {'; '.join(nodes)}", passing
+
+
+@pytest.fixture(scope="session")
+def _session_cluster():
+    """One cluster for the whole tier: bringing it up and down (6-15 s) once instead of per module."""
     reason = _why_not()
     if reason:
         pytest.skip(reason)
-    up = subprocess.run([sys.executable, CLUSTER, "up", str(HOSTS)], capture_output=True, text=True, timeout=120)
     try:
-        assert up.returncode == 0, f"cluster up failed: {up.stderr}{up.stdout}"
+        _cluster("up")
         yield [f"mf-node{i}" for i in range(1, HOSTS + 1)]
     finally:
-        down = subprocess.run([sys.executable, CLUSTER, "down"], capture_output=True, text=True, timeout=120)
-        assert down.returncode == 0, f"cluster down failed: {down.stderr}"
+        _cluster("down")
+
+
+@pytest.fixture(scope="module")
+def cluster(_session_cluster):
+    """The session's cluster, idle, as a fresh one would be: a module must not inherit a previous one's
+    job, or a host it left drained or down (then the cluster is made again)."""
+    deadline = time.monotonic() + 30  # a cancelled job's steps take a few seconds to be cleaned up
+    why, passing = _idle()
+    while why is not None and passing and time.monotonic() < deadline:
+        time.sleep(1)
+        why, passing = _idle()
+    if why is not None:  # a job that does not end, a host drained, down or not responding
+        print(f"cluster not idle after the previous module ({why}): down and up again")
+        _cluster("down")
+        _cluster("up")
+        assert _idle()[0] is None, _idle()
+    return _session_cluster
 
 
 @pytest.fixture(scope="session")
 def warm_model() -> str:
-    """The quickstart's tiny model after its format-only warm-up (built once, ~30 s, kept in .cache)."""
-    subprocess.run([sys.executable, "tools/cluster/warm_model.py", "--out", MODEL_DIR],
-                   cwd=REPO, check=True, capture_output=True, timeout=300,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return os.path.join(MODEL_DIR, "warm_model")
+    """The quickstart's tiny model after its format-only warm-up: benchlib's cached one (built once, ~30 s,
+    kept under runs/bench_models; the soak of `make test` uses it too)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from benchlib import quickstart_warm_model
+
+    path = quickstart_warm_model(seed=0, name="cluster")
+    assert path == WARM_MODEL, (path, WARM_MODEL)
+    return path

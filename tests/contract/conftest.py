@@ -1,7 +1,9 @@
 """Contract tier: the SGLang native HTTP API, asserted over raw HTTP against every backend in BACKENDS.
 
-`engine` starts one server per backend for the whole session (tests must leave its weights as they
-found them); modules that change weights or need a flag start their own through `launch_engine`.
+`engine` starts one server per backend for the whole session (a real SGLang start costs ~30 s): modules
+share it and leave it as they found it (a module that changes its weights, label or memory puts the
+checkpoint back with helpers.restore_checkpoint, which checks that it did); only a module that needs
+another launch flag or model (API key, routed experts) starts its own through `launch_engine`.
 
 Backends:
     "cpu"     megatron_flash.engines.local_server (its static decoder; MF_CONTRACT_DECODER=cb: transformers

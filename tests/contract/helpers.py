@@ -125,3 +125,20 @@ class StreamingGenerate:
         assert self._chunks, "no chunk received"
         assert "error" not in self._chunks[-1], self._chunks[-1]
         return self._chunks[-1]
+
+
+def restore_checkpoint(server: Any) -> None:
+    """Put the session's shared engine back as it started (the checkpoint's weights, label "default",
+    not paused) after a module that changed it, and check that it did: a later module that reads the
+    weights, the label or model_info must not see this one's changes."""
+    post(server.url + "/continue_generation", {})  # harmless when not paused
+    status, body = post(server.url + "/update_weights_from_disk",
+                        {"model_path": server.model_dir, "weight_version": "default"})
+    assert status == 200 and body["success"] is True, body
+    prompt = [1, 8, 9, 10, 11]
+    out = generate(server.url, prompt, return_logprob=True,
+                   sampling_params={"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True})
+    assert out["meta_info"]["weight_version"] == "default"
+    assert_logprobs_match(server.model_dir, prompt, out, temperature=1.0)
+    status, info = http("GET", server.url + "/model_info")
+    assert status == 200 and info["model_path"] == server.model_dir and info["weight_version"] == "default", info

@@ -15,22 +15,29 @@ import time
 
 import pytest
 
-from tests.contract.conftest import BACKENDS, LOCAL_BACKEND, launch_engine
-from tests.contract.helpers import assert_logprobs_match, generate, http, post
+from tests.contract.conftest import LOCAL_BACKEND, launch_engine
+from tests.contract.helpers import assert_logprobs_match, generate, http, post, restore_checkpoint
 
 PROMPT = [1, 8, 9, 10, 11]
 PARAMS = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def server(request: pytest.FixtureRequest, tiny_models: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
-    server = launch_engine(request.param, tiny_models["llama"], str(tmp_path_factory.mktemp("mem_logs")))
-    yield server
-    server.stop()
+@pytest.fixture(scope="module")
+def server(engine):
+    """The session's engine (a real SGLang start costs ~30 s; no launch flag is needed here), put back as it
+    was after the module."""
+    yield engine
+    restore_checkpoint(engine)
 
 
 @pytest.fixture(scope="module")
-def local_server(tiny_models: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
+def local_server(engine, tiny_models: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
+    """Our own engine server: the session's engine where that is ours (put back as it was after the
+    module), else one started here (the SGLang tier)."""
+    if engine.local:
+        yield engine
+        restore_checkpoint(engine)
+        return
     server = launch_engine(LOCAL_BACKEND, tiny_models["llama"], str(tmp_path_factory.mktemp("mem_cpu_logs")))
     yield server
     server.stop()

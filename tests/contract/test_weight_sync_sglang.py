@@ -1,5 +1,6 @@
 """The weight bridge against every contract backend: a single-rank Megatron trainer (tools/weight_sync/
-verify.py as a subprocess) pushes its weights with each transport into this module's own server.
+verify.py as a subprocess) pushes its weights with each transport into the session's server (put back
+to the checkpoint after the module).
 
     make test           → the local engine server
     make test-sglang    → real SGLang 0.5.23 on CPU (MF_CONTRACT_BACKENDS=sglang)
@@ -13,8 +14,11 @@ probe (SGLang's teacher-forced input logprobs, `logprob_start_len`) agrees with 
 With the local engine on CUDA (backend `cuda`, tests/gpu) the engine shares the trainer's GPU, where NCCL
 cannot broadcast: there the bridge must refuse broadcast by name (ipc is the transport for that layout).
 
-Each transport pushes different weights (1, 2, 3 SGD steps from the checkpoint), so a transport that
-silently did nothing would leave the previous test's weights and fail the comparison.
+One verify.py launch syncs with every transport in turn (one trainer start-up instead of three; on a
+GPU engine broadcast is refused by name in a launch of its own). Before each sync two more SGD steps
+move the weights, and the engine's logprobs just before it must differ from the trainer's (stale diff
+> STALE_MIN): a transport that silently did nothing would leave the previous transport's weights and
+fail the comparison.
 """
 
 from __future__ import annotations
@@ -27,17 +31,19 @@ import sys
 
 import pytest
 
-from tests.contract.conftest import BACKENDS, REPO, launch_engine
-from tests.contract.helpers import http, post, teacher_logprobs
+from tests.contract.conftest import REPO
+from tests.contract.helpers import http, post, restore_checkpoint, teacher_logprobs
 
-TRANSPORTS = [("ipc", 1, 11), ("broadcast", 2, 12), ("disk", 3, 13)]
+TRANSPORTS = ("ipc", "broadcast", "disk")
+FIRST_VERSION, STEPS = 11, 2  # each sync's version: FIRST_VERSION + its index among the launch's transports
+STALE_MIN = 1e-2  # two SGD steps move the logprobs by far more (as in tests/distributed/test_weight_sync.py)
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def server(request: pytest.FixtureRequest, tiny_models: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
-    server = launch_engine(request.param, tiny_models["llama"], str(tmp_path_factory.mktemp("weight_sync_logs")))
-    yield server
-    server.stop()
+@pytest.fixture(scope="module")
+def server(engine):
+    """The session's engine (a real SGLang start costs ~30 s), put back as it was after the module."""
+    yield engine
+    restore_checkpoint(engine)
 
 
 def test_input_logprobs_for_the_probe(server) -> None:
@@ -63,27 +69,50 @@ def test_input_logprobs_for_the_probe(server) -> None:
     assert status == 400 or "logprob_start_len" in str(reply), reply  # past the prompt: refused
 
 
-@pytest.mark.parametrize("transport,steps,version", TRANSPORTS, ids=[t for t, _, _ in TRANSPORTS])
-def test_bridge_sync_is_exact_on_the_engine(server, tiny_models: dict[str, str], tmp_path, transport: str,
-                                            steps: int, version: int) -> None:
-    out, err = tmp_path / "stdout", tmp_path / "stderr"
+def run_verify(server, model_dir: str, transports: list[str], out_dir) -> tuple[int, list[dict], str]:
+    """tools/weight_sync/verify.py against `server` with `transports` in turn: (exit code, its JSON lines, stderr)."""
+    out, err = out_dir / "stdout", out_dir / "stderr"
     # Output to files, not pipes: with ipc the trainer's torch_shm_manager daemon inherits its stdout/stderr
-    # and lives as long as this module's server (a client of it), so a pipe would never reach EOF.
+    # and lives as long as the session's server (a client of it), so a pipe would never reach EOF.
     with open(out, "w") as stdout, open(err, "w") as stderr:
-        code = subprocess.run([sys.executable, "tools/weight_sync/verify.py", "--model-path", tiny_models["llama"],
-                               "--transport", transport, "--engine-url", server.url, "--steps", str(steps),
-                               "--version", str(version)], cwd=REPO, stdout=stdout, stderr=stderr, timeout=400,
+        code = subprocess.run([sys.executable, "tools/weight_sync/verify.py", "--model-path", model_dir,
+                               *[a for t in transports for a in ("--transport", t)], "--engine-url", server.url,
+                               "--steps", str(STEPS), "--version", str(FIRST_VERSION)], cwd=REPO, stdout=stdout,
+                              stderr=stderr, timeout=300 + 100 * len(transports),
                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}).returncode
-    lines = out.read_text().strip().splitlines()
-    if transport == "broadcast" and server.backend == "cuda":  # the engine shares the trainer's one GPU
-        assert code == 1 and "own GPU" in err.read_text(), err.read_text()[-4000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+    return code, rows, err.read_text()
+
+
+def gpu_shared(server, transport: str) -> bool:
+    """With the local engine on CUDA the engine shares the trainer's one GPU, where NCCL cannot broadcast."""
+    return transport == "broadcast" and server.backend == "cuda"
+
+
+@pytest.fixture(scope="module")
+def synced(server, tiny_models: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """transport → its sync's JSON line, from one verify.py launch that syncs with each transport in turn."""
+    transports = [t for t in TRANSPORTS if not gpu_shared(server, t)]
+    code, rows, err = run_verify(server, tiny_models["llama"], transports, tmp_path_factory.mktemp("verify"))
+    assert code in (0, 1) and [r["transport"] for r in rows] == transports, (
+        f"verify crashed (exit {code}):\n{err[-4000:]}\n--- server log ---\n{server.log_tail()}")
+    # The label the engine reports outside a reply is the last sync's.
+    status, info = http("GET", server.url + "/model_info")
+    assert status == 200 and info["weight_version"] == str(FIRST_VERSION + len(transports) - 1), info
+    return {r["transport"]: r for r in rows}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_bridge_sync_is_exact_on_the_engine(server, synced: dict[str, dict], tiny_models: dict[str, str], tmp_path,
+                                            transport: str) -> None:
+    if gpu_shared(server, transport):
+        code, _, err = run_verify(server, tiny_models["llama"], [transport], tmp_path)
+        assert code == 1 and "own GPU" in err, err[-4000:]
         return
-    assert code in (0, 1) and lines, (f"verify crashed (exit {code}):\n{err.read_text()[-4000:]}\n"
-                                      f"--- server log ---\n{server.log_tail()}")
-    result = json.loads(lines[-1])
+    result = synced[transport]
+    version = FIRST_VERSION + [t for t in TRANSPORTS if not gpu_shared(server, t)].index(transport)
     assert result["synced_urls"] == [server.url] and result["failed_urls"] == [], result
     assert result["weight_versions"] == [str(version)], result
     assert result["max_abs_logprob_diff"] <= 1e-4, result
     assert result["probe_max_abs_logprob_diff"] <= 1e-4, result
-    status, info = http("GET", server.url + "/model_info")
-    assert status == 200 and info["weight_version"] == str(version)
+    assert result["stale_max_abs_logprob_diff"] > STALE_MIN, result

@@ -2,7 +2,9 @@
 broadcast where this test process is rank 0. After each, the engine's logprobs equal a teacher-forced
 forward of the new weights and meta_info.weight_version is the version sent with the update.
 
-Model sequence on this module's own server:  seed0 ─disk→ seed1 ─tensor→ seed0 ─dist→ seed1 ─dist(bucket)→ seed0
+Model sequence on the session's server:
+    seed0 ─disk→ seed1 ─tensor→ seed0 ─dist→ seed1 ─dist(bucket)→ seed0,
+then the checkpoint again under its label "default" (restore_checkpoint) for the modules after this one.
 """
 
 from __future__ import annotations
@@ -15,17 +17,16 @@ from datetime import timedelta
 import pytest
 
 from megatron_flash.ports import free_ports
-from tests.contract.conftest import BACKENDS, launch_engine
-from tests.contract.helpers import assert_logprobs_match, generate, http, post, teacher_logprobs
+from tests.contract.helpers import assert_logprobs_match, generate, http, post, restore_checkpoint, teacher_logprobs
 
 PROMPT = [1, 8, 9, 10, 11]
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def server(request: pytest.FixtureRequest, tiny_models: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
-    server = launch_engine(request.param, tiny_models["llama"], str(tmp_path_factory.mktemp("weights_logs")))
-    yield server
-    server.stop()
+@pytest.fixture(scope="module")
+def server(engine):
+    """The session's engine (a real SGLang start costs ~30 s), put back as it was after the module."""
+    yield engine
+    restore_checkpoint(engine)
 
 
 def _state_dict(model_dir: str) -> dict:
@@ -133,4 +134,7 @@ def test_update_weights_from_distributed_gloo(server, seed1_model: str) -> None:
     _expect_serving(server, seed1_model, server.model_dir, "dist-3")
     send(server.model_dir, "dist-4", "flattened_bucket")
     _expect_serving(server, server.model_dir, seed1_model, "dist-4")
+    # The engine leaves the group too: the server is shared, and a group held open would outlive this test.
+    status, body = post(server.url + "/destroy_weights_update_group", {"group_name": group_name})
+    assert status == 200 and body["success"] is True, body
     dist.destroy_process_group(group)

@@ -7,8 +7,10 @@ exactly the engine's experts (moe_route_replayed = 1.0), and the trainer's own r
 the engine's less than perfectly at some step (the stale weights under α = 2 route differently:
 what replay corrects).
 
-RL_STEPS = 40 of the quickstart's 80: the rise asserted (+0.25) is reached by step ~12; on the CPU box
-(2026-11-27) the mean reward of steps 35–39 was 0.76 (0.77 for steps 75–79) against 0.05 at the start.
+RL_STEPS = 30 of the quickstart's 80: the rise asserted (+0.25) was reached by step ~12 on the quiet CPU box
+(2026-11-27: the mean reward of steps 35–39 was 0.76, 0.77 for steps 75–79, against 0.05 at the start)
+and by step ~19 on a loaded one (2026-11-28: steps 19–23 at 0.44, a rise of 0.39). Later steps add no
+code path (replay, agreement and staleness are checked on every row).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from megatron_flash.ports import free_ports
 from tests.conftest import run_tool
 
 
-RL_STEPS = 40
+RL_STEPS = 30
 
 
 def test_tiny_moe_learns_with_routing_replay(tmp_path) -> None:

@@ -143,7 +143,8 @@ def test_client_and_proxy_generate_n(engine, monkeypatch: pytest.MonkeyPatch) ->
     assert len(aborted) == n
     finished = [r for r in aborted if not r.aborted]
     assert len(finished) <= 16, f"{len(finished)} of {n} samples finished: the abort came too late"
+    # Idle, not still decoding the aborted samples in the background (fails after 20 s). How soon is a
+    # timing, which depends on the box's load; it is printed, not asserted.
     idle_s = _wait_idle(engine.url)
     print(f"[{engine.backend}] engine idle {time.monotonic() - t0:.1f} s after the request was sent "
           f"({idle_s:.1f} s after the proxy's abort returned)")
-    assert time.monotonic() - t0 < 8.0

@@ -22,6 +22,12 @@ the process's speed and RSS as without the probe (tracing costs time per allocat
 per live block), and RSS by tracemalloc's own overhead (a CSV column, to subtract). The trim at the last
 snapshot changes what follows it: the CSV rows after it show by how much.
 Linux with glibc; elsewhere the native numbers are left empty.
+
+`HeapTrim` is not a probe but what the probe led to: the trainer's loop calls it after every step, and at
+most every `interval_s` it hands the pages that are free inside glibc's heaps back to the kernel
+(`malloc_trim(0)`). Without it a long run's RSS creeps up while the memory its objects use stays flat:
+glibc returns a heap's free memory only from the heap's top, and the rollout and reward threads each
+allocate in arenas of their own (docs/benchmarks.md, "Soak", has the numbers).
 """
 
 from __future__ import annotations
@@ -192,6 +198,7 @@ class MemProbe:
         """The full snapshot (module docstring), with a trim when `last`; returns the JSON file's path."""
         base = os.path.join(self.out_dir, f"memprobe_{self.pid}_{label}")
         report: dict[str, Any] = {"label": label, **light_row(self.t0)}
+        report["arenas"] = malloc_info(base + "_malloc.xml")  # before the counting below allocates
         counts = object_counts()
         report["types_top"] = counts.most_common(TOP_TYPES)
         if self._prev_counts is not None:
@@ -206,12 +213,32 @@ class MemProbe:
             if self._prev_snap is not None:
                 report["sites_growth"] = [str(s) for s in snap.compare_to(self._prev_snap, "lineno")[:TOP_SITES]]
             self._prev_snap = snap
-        report["arenas"] = malloc_info(base + "_malloc.xml")
         if last:  # only then: a trim between two snapshots would change the growth they compare
             report["malloc_trim"] = trim()
         with open(base + ".json", "w") as f:
             json.dump(report, f, indent=1)
         return base + ".json"
+
+
+class HeapTrim:
+    """`malloc_trim(0)` at most every `interval_s` seconds, when `maybe()` is called (see the module docstring)."""
+
+    def __init__(self, *, interval_s: float) -> None:
+        if interval_s < 0:
+            raise ValueError(f"interval_s must be >= 0, got {interval_s}")
+        self.interval_s = interval_s
+        self.num_trims = 0
+        self._last = time.monotonic()
+
+    def maybe(self) -> bool:
+        """Trim if the interval has passed since the last trim (or since construction); True if it did."""
+        now = time.monotonic()
+        if _LIBC is None or now - self._last < self.interval_s:
+            return False
+        _LIBC.malloc_trim(0)
+        self._last = time.monotonic()
+        self.num_trims += 1
+        return True
 
 
 def start_from_env() -> Optional[MemProbe]:

@@ -78,3 +78,27 @@ def test_the_thread_writes_rows_and_the_due_snapshots(tmp_path, monkeypatch: pyt
     assert snap.exists() and "sites_top" not in json.load(open(snap))
     assert len(rows) >= 3 and float(rows[-1]["rss_mb"]) > 0 and int(rows[-1]["gc_objects"]) > 1000
     assert not tracemalloc.is_tracing()
+
+
+@pytest.mark.skipif(memprobe._LIBC is None, reason="glibc's malloc_trim")
+def test_heap_trim_gives_free_pages_back() -> None:
+    # Holes of 7 freed 2 kB blocks (each spans at least 2 whole pages) between kept ones: free inside the heap, never at its top, so glibc's
+    # free() keeps them resident; a trim returns their whole pages.
+    blocks = [bytearray(2000) for _ in range(40_000)]
+    for b in blocks:
+        b[::512] = b"x" * len(b[::512])  # touched: resident
+    kept = blocks[::8]
+    del blocks
+    trim = memprobe.HeapTrim(interval_s=0)
+    before = memprobe.smaps()["rss"]
+    assert trim.maybe()
+    after = memprobe.smaps()["rss"]
+    assert before - after >= 20, (before, after)
+    assert len(kept) == 5_000 and trim.num_trims == 1
+
+
+def test_heap_trim_waits_its_interval() -> None:
+    trim = memprobe.HeapTrim(interval_s=3600)
+    assert not trim.maybe() and trim.num_trims == 0  # the interval counts from construction
+    with pytest.raises(ValueError, match="interval_s"):
+        memprobe.HeapTrim(interval_s=-1)

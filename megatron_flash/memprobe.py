@@ -178,7 +178,7 @@ class MemProbe:
             now = (time.monotonic() - self.t0)
             if now >= next_row:
                 self.write_row()
-                next_row += self.every_s
+                next_row = now + self.every_s  # after a long snapshot: no burst of rows to catch up
             while todo and now >= todo[0] * 60:
                 self.snapshot(label=f"{todo.pop(0):g}m", last=not todo)
             wake = min([next_row] + [m * 60 for m in todo]) - (time.monotonic() - self.t0)

@@ -26,8 +26,9 @@ Linux with glibc; elsewhere the native numbers are left empty.
 `HeapTrim` is not a probe but what the probe led to: the trainer's loop calls it after every step, and at
 most every `interval_s` it hands the pages that are free inside glibc's heaps back to the kernel
 (`malloc_trim(0)`). Without it a long run's RSS creeps up while the memory its objects use stays flat:
-glibc returns a heap's free memory only from the heap's top, and the rollout and reward threads each
-allocate in arenas of their own (docs/benchmarks.md, "Soak", has the numbers).
+glibc gives a heap's free memory back only from the heap's top, so each heap (one per arena; the
+trainer's threads use up to 8 per core) stays as large as the largest working set it has met
+(docs/benchmarks.md, "Soak", has the numbers).
 """
 
 from __future__ import annotations

@@ -247,6 +247,10 @@ def start_from_env() -> Optional[MemProbe]:
     out_dir = os.environ.get(ENV, "")
     if not out_dir:
         return None
-    at = [float(m) for m in os.environ.get(ENV_AT, "10,60").split(",") if m.strip()]
-    return MemProbe(out_dir, at_minutes=at, every_s=float(os.environ.get(ENV_EVERY, "60")),
-                    frames=int(os.environ.get(ENV_FRAMES, "1"))).start()
+    try:
+        at = [float(m) for m in os.environ.get(ENV_AT, "10,60").split(",") if m.strip()]
+        every_s, frames = float(os.environ.get(ENV_EVERY, "60")), int(os.environ.get(ENV_FRAMES, "1"))
+    except ValueError as error:
+        raise ValueError(f"{ENV_AT} (comma-separated minutes), {ENV_EVERY} (seconds) and {ENV_FRAMES} (an int): "
+                         f"{error}") from None
+    return MemProbe(out_dir, at_minutes=at, every_s=every_s, frames=frames).start()

@@ -27,9 +27,13 @@ def test_off_without_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     assert memprobe.start_from_env() is None
 
 
-def test_bad_settings_name_the_variable(tmp_path) -> None:
+def test_bad_settings_name_the_variable(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=memprobe.ENV_EVERY):
         memprobe.MemProbe(str(tmp_path), at_minutes=[1.0], every_s=0, frames=1)
+    monkeypatch.setenv(memprobe.ENV, str(tmp_path))
+    monkeypatch.setenv(memprobe.ENV_AT, "ten")
+    with pytest.raises(ValueError, match=memprobe.ENV_AT):
+        memprobe.start_from_env()
 
 
 def test_snapshots_name_what_grew(tmp_path) -> None:

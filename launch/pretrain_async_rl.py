@@ -133,6 +133,10 @@ def run(cfg: RunConfig) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    if os.environ.get("MF_MEMPROBE"):  # a memory profile of this process (megatron_flash/memprobe.py)
+        from megatron_flash.memprobe import start_from_env
+
+        start_from_env()
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)

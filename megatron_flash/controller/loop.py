@@ -46,6 +46,7 @@ import megatron_flash.controller.assembly as assembly  # not via the package __i
 from megatron_flash.controller.checkpoints import Checkpoints, install_sigterm_flag
 from megatron_flash.controller.engine_handoff import EngineHandoff
 from megatron_flash.controller.step_metrics import StepRecorder, where_samples_went
+from megatron_flash.memprobe import HeapTrim
 from megatron_flash.trace import TRACER, TRAINER
 from megatron_flash.types import Group, TrainBatch, collate
 
@@ -58,6 +59,9 @@ if TYPE_CHECKING:
     from megatron_flash.weight_sync.bridge import WeightBridge
 
 logger = logging.getLogger(__name__)
+
+HEAP_TRIM_INTERVAL_S = 30.0
+"""How often (at most) the loop gives free heap pages back to the kernel: a trim costs milliseconds."""
 
 
 class RolloutStopped(RuntimeError):
@@ -94,6 +98,7 @@ class Controller:
         self.checkpoints: Optional[Checkpoints] = None
         self.handoff: Optional[EngineHandoff] = None
         self.recorder: Optional[StepRecorder] = None
+        self.heap_trim = HeapTrim(interval_s=HEAP_TRIM_INTERVAL_S)
 
     # ================================================================== the loop (one screen)
     def run(self) -> dict[str, Any]:
@@ -119,6 +124,7 @@ class Controller:
                                                rollout_state=self._rollout_state):
                     self.preempted = True
                     break
+                self.heap_trim.maybe()                                    # freed native memory back to the OS
             else:
                 self.maybe_evaluate(self.cfg.trainer.total_steps, final=True)
         except BaseException as e:

@@ -9,6 +9,7 @@
   counters     — (metrics windows)                                  no
   trace        — (the run's timeline and request activity)          no
   versions     — (the tested spans; read by setup.py)               no
+  memprobe     — (MF_MEMPROBE: a process's memory profile)           no
   planner      —                                                    no
   recipes      types (per-step batch shaping and diagnostics)       no
   tracking     config, trace                                        no
@@ -48,7 +49,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_flash"
 ALLOWED: dict[str, set[str]] = {
     "config": set(), "types": set(), "ports": set(), "named": set(), "counters": set(), "planner": set(),
-    "trace": set(), "versions": set(), "recipes": {"types"},
+    "trace": set(), "versions": set(), "memprobe": set(), "recipes": {"types"},
     "tracking": {"config", "trace"}, "losses": {"types"}, "rewards": {"config", "named", "trace", "types"},
     "buffer": {"trace", "types"}, "engines": {"ports", "types"}, "hf": set(),
     "rollout": {"buffer", "config", "counters", "engines", "named", "rewards", "trace", "types"},
@@ -58,7 +59,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 ALLOWED["controller"] = set(ALLOWED)
 LAYERS: list[tuple[str, ...]] = [  # lowest first
-    ("config", "types", "ports", "named", "counters", "trace", "planner", "versions", "hf"),
+    ("config", "types", "ports", "named", "counters", "trace", "planner", "versions", "memprobe", "hf"),
     ("recipes", "tracking", "losses", "rewards", "buffer", "engines"),
     ("rollout", "trainer", "weight_sync"),
     ("agentic",),

@@ -118,9 +118,13 @@ def evaluate(soak: Any, *, reward_timeout_s: float, drops: tuple[str, ...]) -> d
         k = len(rewards) // 10
         tenths = [statistics.fmean(rewards[i * k:(i + 1) * k]) for i in range(10)]
         last = statistics.fmean(rewards[-k:])
-        ok = last >= tenths[0] + REWARD_GAIN and last >= max(tenths[:-1]) - REWARD_SLACK
-        aims["reward_rising_at_end"] = _aim({"tenths": [round(x, 3) for x in tenths], "last": round(last, 3)},
-                                            f"last >= first + {REWARD_GAIN} and >= best earlier - {REWARD_SLACK}", ok)
+        # learned from where it started (the first 5 steps: the warm model), not from the first tenth,
+        # which on a fast box already holds most of the rise; and held its best to the end
+        start = statistics.fmean(rewards[:5])
+        ok = last >= start + REWARD_GAIN and last >= max(tenths[:-1]) - REWARD_SLACK
+        aims["reward_rising_at_end"] = _aim(
+            {"start": round(start, 3), "tenths": [round(x, 3) for x in tenths], "last": round(last, 3)},
+            f"last >= start + {REWARD_GAIN} and >= best earlier tenth - {REWARD_SLACK}", ok)
     else:
         aims["reward_rising_at_end"] = _aim(len(rewards), ">= 20 rows", False)
 

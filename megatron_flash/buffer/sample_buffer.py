@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from megatron_flash.buffer.staleness import StalenessManager, is_trainable
+from megatron_flash.buffer.staleness import StalenessManager, is_trainable, late_share
 from megatron_flash.trace import TRACER
 from megatron_flash.types import Group
 
@@ -124,8 +124,13 @@ class SampleBuffer:
                     self._groups = [g for g in self._groups if id(g) not in chosen]
                     self.staleness.on_consume(num_samples)
                     now = time.monotonic()
+                    tokens = [sum(len(s.response_ids) for s in g.samples) for g in picked]
+                    finished = [g.time_finished for g in picked]
+                    sit = sum(max(0.0, now - g.time_finished) * len(g) for g in picked) / num_samples
                     self.staleness.note_take(waited_s=now - entered, now=now,
-                                             surplus=sum(len(g) for g in self._groups))
+                                             surplus=sum(len(g) for g in self._groups),
+                                             late=late_share(tokens=tokens, finished=finished, since=entered),
+                                             sit_s=sit)
                     TRACER.instant("take", "buffer", "buffer", samples=num_samples, groups=len(picked),
                                    left=sum(len(g) for g in self._groups))
                     return picked

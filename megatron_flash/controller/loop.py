@@ -146,7 +146,7 @@ class Controller:
                                "alpha > 0", cfg.async_rl.alpha)
         self.staleness = StalenessManager(alpha=cfg.async_rl.alpha, batch_size=self.batch_size,
                                           extra=cfg.rollout.extra_prompts * cfg.rollout.n_samples_per_prompt,
-                                          admission=cfg.async_rl.admission)
+                                          admission=cfg.async_rl.admission, min_lookahead=cfg.async_rl.min_lookahead)
         if self.mode.trains:
             self.policy = assembly.build_policy(cfg)
             self.rank = self.policy.layout.rank

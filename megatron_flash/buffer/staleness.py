@@ -66,6 +66,41 @@ at once:
 
 every sample trains one version after it started; eager admission (L = 2) would have started 12 at
 v = 0 and trained every later sample two versions after its start, at the same speed.
+
+Token lookahead (`async_rl.admission=tokens`, the default). What the losses correct for is the age
+of each token's weights, not of its sample's start: a token sampled before the push that ends step
+V trains at V + 1 or later, one sampled after it trains fresh. Whole-batch steps of L are coarse
+for that: when the trainer waits because the engines are slow (busy all along), adaptive
+admission still climbs to L = 2, starts a second batch early, and those tokens, finished fast, sit
+through two pushes — staleness that buys no speed, since the engines had no idle time to fill. The
+tokens rule keeps L a fraction of a batch (admission takes ⌊L·B⌋ samples of the batches ahead) and
+reads, at each take, how long the trainer waited, the share of the batch's response tokens that
+landed during that wait (`late_share`) and whether the engines sat with nothing in flight in this
+step or the one before (idle engines show one step before the wait they cause):
+
+    the trainer did not wait past WAIT_TOLERANCE of the step        →  L − STEP_DOWN  (down to min_lookahead)
+    it waited, L < 1 (part of the batch started only at the push)   →  L + late share  (up to 1)
+    it waited, L ≥ 1, the engines ran dry past the tolerance        →  L + late share  (up to α)
+    it waited, L ≥ 1, the engines were busy all along               →  L               (more adds only staleness)
+
+`min_lookahead` (`async_rl.min_lookahead`, default 1) is the floor: at 1 the next batch always
+generates while this one trains (no wait is traded for freshness); below 1 L probes down until the
+trainer waits for the part of the batch that started after the push — fresher tokens for that wait.
+Worked example, B = 4 in groups of 2, α = 2, min_lookahead 0, the engines finish what they have:
+
+    time  event                                    V  consumed  outstanding  L      limit (V+1)·B + ⌊L·B⌋
+    0.0   start                                    0      0          0       1      4 + 4 = 8  → start 8 (v = 0)
+    1.0   all landed; take batch 0                 0      4          4       1      (first take: the clock starts)
+    2.0   push → V = 1, at once take 1, no wait    1      8          0       0.875  8 + 3 = 11 → start 2 (v = 1)
+    2.5   that group lands; the engines sit idle
+    3.0   push → V = 2                             2      8          2       0.875  12 + 3 = 15 → start 4 (v = 2)
+    3.4   take batch 2 after 0.4 s (> 5 % of 1.4 s), half its tokens landed in the wait
+                                                   2     12          2       1      0.875 + 0.5, at most 1
+
+batch 2's second group sampled its tokens at version 2 and trains at 2: fresh, for a 0.4 s wait;
+the engines' idle 0.5 s (2.5 → 3.0) is `admission/starved_s`. With the default min_lookahead 1 the
+second row keeps L = 1 and the next batch starts whole, as with adaptive admission; the two differ
+when the trainer waits on busy engines, where tokens holds L while adaptive climbs.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@
                                                                resume), V ← V + 1  (frees capacity)
 
 Who waits for whom: the rollout thread waits only for capacity (staleness.py: at most
-(L + 1)·B + extra samples in flight or buffered beyond what was consumed, the lookahead L ≤ α
-raised only while the trainer waits for rollout); the trainer waits only
+(L + 1)·B + extra samples in flight or buffered beyond what was consumed, the lookahead L ≤ α — a
+fraction of a batch by default — raised only while the trainer waits for rollout); the trainer waits only
 for a full batch of samples with V − start ≤ α (older ones are evicted: dropped or regenerated).
 Engines pause only while weights move. α = 0 degenerates to synchronous training.
 

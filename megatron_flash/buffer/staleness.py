@@ -163,11 +163,11 @@ STEP_DOWN = 0.125
 (two groups of the quickstart's sixteen), so it creeps back toward the least that keeps the trainer fed."""
 
 
-def late_share(*, tokens: Sequence[int], finished: Sequence[float], since: float) -> float:
-    """The share of a batch's response tokens in groups that finished after `since` (the moment the
-    trainer began to wait): what admission started too late. `tokens[i]`, `finished[i]`: group i."""
+def late_share(*, tokens: Sequence[int], arrived: Sequence[float], since: float) -> float:
+    """The share of a batch's response tokens in groups that reached the buffer after `since` (the
+    moment the trainer began to wait): what came too late. `tokens[i]`, `arrived[i]`: group i."""
     total = sum(tokens)
-    return sum(t for t, f in zip(tokens, finished) if f > since) / total if total else 0.0
+    return sum(t for t, a in zip(tokens, arrived) if a > since) / total if total else 0.0
 
 
 def next_token_lookahead(lookahead: float, *, alpha: int, waited: bool, late: float, starved: bool,

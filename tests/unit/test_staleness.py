@@ -290,11 +290,11 @@ def test_next_token_lookahead_table(lookahead: float, alpha: int, waited_: bool,
     assert got == pytest.approx(expected) and STEP_DOWN == 0.125
 
 
-def test_late_share_counts_the_tokens_that_finished_during_the_wait() -> None:
-    # groups of 5, 5 and 10 response tokens finished at 1, 2, 3 s; the trainer began waiting at 1.5 s
-    assert late_share(tokens=[5, 5, 10], finished=[1.0, 2.0, 3.0], since=1.5) == pytest.approx(15 / 20)
-    assert late_share(tokens=[5, 5], finished=[1.0, 1.2], since=1.5) == 0.0
-    assert late_share(tokens=[], finished=[], since=0.0) == 0.0
+def test_late_share_counts_the_tokens_that_arrived_during_the_wait() -> None:
+    # groups of 5, 5 and 10 response tokens buffered at 1, 2, 3 s; the trainer began waiting at 1.5 s
+    assert late_share(tokens=[5, 5, 10], arrived=[1.0, 2.0, 3.0], since=1.5) == pytest.approx(15 / 20)
+    assert late_share(tokens=[5, 5], arrived=[1.0, 1.2], since=1.5) == 0.0
+    assert late_share(tokens=[], arrived=[], since=0.0) == 0.0
 
 
 def test_a_fractional_lookahead_admits_whole_samples_of_the_next_batch() -> None:

@@ -80,8 +80,9 @@ step or the one before (idle engines show one step before the wait they cause):
 
     the trainer did not wait past WAIT_TOLERANCE of the step        →  L − STEP_DOWN  (down to min_lookahead)
     it waited, L < 1 (part of the batch started only at the push)   →  L + late share  (up to 1)
-    it waited, L ≥ 1, the engines ran dry past the tolerance        →  L + late share  (up to α)
-    it waited, L ≥ 1, the engines were busy all along               →  L               (more adds only staleness)
+    RAISE_AFTER waits in a row, L ≥ 1, the engines ran dry past
+    the tolerance                                                    →  L + late share  (up to α)
+    else (the engines were busy all along, or a single wait)        →  L               (more adds only staleness)
 
 `min_lookahead` (`async_rl.min_lookahead`, default 1) is the floor: at 1 the next batch always
 generates while this one trains (no wait is traded for freshness); below 1 L probes down until the
@@ -170,19 +171,21 @@ def late_share(*, tokens: Sequence[int], arrived: Sequence[float], since: float)
     return sum(t for t, a in zip(tokens, arrived) if a > since) / total if total else 0.0
 
 
-def next_token_lookahead(lookahead: float, *, alpha: int, waited: bool, late: float, starved: bool,
+def next_token_lookahead(lookahead: float, *, alpha: int, waits_in_a_row: int, late: float, starved: bool,
                          floor: float = 1.0) -> float:
-    """The `tokens` lookahead (batches, a fraction) after a take (see "Token lookahead" above):
-    `waited` past the tolerance, `late` = `late_share` of the batch taken, `starved` = the engines sat
-    with nothing admitted past the tolerance since the take before last; never below `floor`
-    (`async_rl.min_lookahead`, at most α)."""
-    if not waited:
+    """The `tokens` lookahead (batches, a fraction) after a take (see "Token lookahead" above) that
+    ended `waits_in_a_row` takes waiting past the tolerance (0: this one did not), `late` = its
+    `late_share`, `starved` = the engines sat with nothing admitted past the tolerance in this step
+    or the one before; never below `floor` (`async_rl.min_lookahead`, at most α)."""
+    if not waits_in_a_row:
         return max(lookahead - STEP_DOWN, min(floor, float(alpha)))
     if lookahead < 1:  # the rest of the batch started only at the push: that is what the trainer waited for
         return min(lookahead + late, 1.0, float(alpha))
-    if starved:  # a batch ahead, and still the engines ran dry: start more of the next one early
+    if starved and waits_in_a_row >= RAISE_AFTER:  # a batch ahead, and still the engines ran dry
         return min(lookahead + late, float(alpha))
-    return lookahead  # the engines were busy all along: more lookahead would only add staleness
+    # The engines were busy all along (more lookahead would only add staleness), or one wait: a blip
+    # (an engine faster than the trainer always idles, so one slow reply must not raise L).
+    return lookahead
 
 
 @dataclasses.dataclass
@@ -284,10 +287,14 @@ class StalenessManager:
                     if self._lookahead > before:
                         self._waits = 0
                 elif self.admission == "tokens":
+                    self._waits = self._waits + 1 if did_wait else 0
                     # This step and the one before: idle engines show a step before the wait they cause.
                     starved = waited(idle + self._previous[0], period + self._previous[1])
-                    self._lookahead = next_token_lookahead(self._lookahead, alpha=self.alpha, waited=did_wait,
+                    before = self._lookahead
+                    self._lookahead = next_token_lookahead(before, alpha=self.alpha, waits_in_a_row=self._waits,
                                                            late=late, starved=starved, floor=self.min_lookahead)
+                    if self._lookahead > max(before, 1.0):
+                        self._waits = 0
                 self._previous = (idle, period)
             self._take = (late, idle, sit_s)
             self._last_take = now

@@ -490,7 +490,8 @@ class AsyncConfig(_Section):
     admission: str = "tokens"
     """How far ahead of training rollout starts samples: tokens (a fraction of a batch ahead, moved
     by the trainer's waits and the share of the batch's tokens that came late; above one batch only
-    while the engines also sat with nothing admitted: no staleness that buys no speed) | adaptive
+    after two waits running with the engines also left with nothing admitted: no staleness that buys
+    no speed) | adaptive
     (whole batches: one ahead, more — up to alpha — while the trainer keeps waiting; fewer again once
     a whole batch sits finished) | eager (always alpha batches ahead). The metrics rollout_lookahead
     and admission/* show the choice; buffer/staleness.py "Lookahead" and "Token lookahead" the rules."""

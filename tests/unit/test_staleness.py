@@ -270,24 +270,25 @@ def test_buffer_take_reports_its_wait_and_surplus() -> None:
 
 
 # ------------------------------------------------------------------ tokens admission (a fraction of a batch)
-@pytest.mark.parametrize("lookahead, alpha, waited_, late, starved, floor, expected", [
-    # (L, α, the trainer waited, late token share of the batch, engines ran dry, min_lookahead) → next L
-    (1.5, 2, False, 0.0, False, 1.0, 1.375),  # no wait: creep down by STEP_DOWN …
-    (1.0, 2, False, 0.0, True, 1.0, 1.0),     # … not below min_lookahead (default: one batch)
-    (1.0, 2, False, 0.0, False, 0.0, 0.875),  # min_lookahead 0: below one batch too
-    (0.1, 2, False, 0.0, True, 0.0, 0.0),     # … never below 0 (rollout only after the push: synchronous)
-    (0.5, 2, True, 0.25, False, 0.0, 0.75),   # below a batch the wait is admission's own: up by the late share
-    (0.875, 2, True, 0.5, True, 0.0, 1.0),    # … but from below, at most to one batch
-    (1.0, 2, True, 0.5, False, 1.0, 1.0),     # a batch ahead, engines busy all along: more only adds staleness
-    (1.0, 2, True, 0.5, True, 1.0, 1.5),      # a batch ahead and the engines still ran dry: up by the late share
-    (1.75, 2, True, 0.5, True, 1.0, 2.0),     # … never past α
-    (0.0, 0, True, 1.0, True, 1.0, 0.0),      # α = 0: synchronous, nothing to move
-    (0.0, 0, False, 0.0, False, 1.0, 0.0),    # … whatever min_lookahead says
+@pytest.mark.parametrize("lookahead, alpha, waits, late, starved, floor, expected", [
+    # (L, α, takes in a row that waited, late token share of the batch, engines ran dry, min_lookahead) → next L
+    (1.5, 2, 0, 0.0, False, 1.0, 1.375),  # no wait: creep down by STEP_DOWN …
+    (1.0, 2, 0, 0.0, True, 1.0, 1.0),     # … not below min_lookahead (default: one batch)
+    (1.0, 2, 0, 0.0, False, 0.0, 0.875),  # min_lookahead 0: below one batch too
+    (0.1, 2, 0, 0.0, True, 0.0, 0.0),     # … never below 0 (rollout only after the push: synchronous)
+    (0.5, 2, 1, 0.25, False, 0.0, 0.75),  # below a batch the wait is admission's own: up by the late share
+    (0.875, 2, 1, 0.5, True, 0.0, 1.0),   # … but from below, at most to one batch
+    (1.0, 2, 2, 0.5, False, 1.0, 1.0),    # a batch ahead, engines busy all along: more only adds staleness
+    (1.0, 2, 1, 0.5, True, 1.0, 1.0),     # engines idle but a single wait: a blip
+    (1.0, 2, 2, 0.5, True, 1.0, 1.5),     # two waits running and the engines ran dry: up by the late share
+    (1.75, 2, 3, 0.5, True, 1.0, 2.0),    # … never past α
+    (0.0, 0, 2, 1.0, True, 1.0, 0.0),     # α = 0: synchronous, nothing to move
+    (0.0, 0, 0, 0.0, False, 1.0, 0.0),    # … whatever min_lookahead says
 ])
-def test_next_token_lookahead_table(lookahead: float, alpha: int, waited_: bool, late: float, starved: bool,
+def test_next_token_lookahead_table(lookahead: float, alpha: int, waits: int, late: float, starved: bool,
                                     floor: float, expected: float) -> None:
-    got = next_token_lookahead(lookahead, alpha=alpha, waited=waited_, late=late, starved=starved, floor=floor)
-    assert got == pytest.approx(expected) and STEP_DOWN == 0.125
+    got = next_token_lookahead(lookahead, alpha=alpha, waits_in_a_row=waits, late=late, starved=starved, floor=floor)
+    assert got == pytest.approx(expected) and STEP_DOWN == 0.125 and RAISE_AFTER == 2
 
 
 def test_late_share_counts_the_tokens_that_arrived_during_the_wait() -> None:
@@ -342,19 +343,22 @@ def test_token_admission_worked_example_of_the_docstring() -> None:
 
 
 def test_token_admission_rises_past_one_batch_only_when_the_engines_ran_dry() -> None:
-    """At L = 1 a trainer that waits while the engines were busy keeps L (a slow engine, not admission);
-    one that waits after a step in which the engines sat with nothing admitted gets the late share."""
+    """At L = 1 a trainer that waits twice running while the engines were busy keeps L (a slow engine,
+    not admission); one whose waits follow a step in which the engines sat with nothing admitted gets
+    the late share. A single wait never raises L past one batch."""
     t = time.monotonic()
     for idle_before in (0.0, 0.5):
         m = StalenessManager(alpha=2, batch_size=4, admission="tokens")
         assert m.lookahead == 1.0
         m.note_take(waited_s=0.0, surplus=0, now=t + 1.0)  # the clock starts
         assert m.try_admit(4, now=t + 1.0) == 0
-        m.on_landed(0, 4, now=t + 2.0 - idle_before)  # the next batch done; engines idle until the push
-        assert m.try_admit(4, now=t + 2.0) == 0
         m.note_take(waited_s=0.0, surplus=4, now=t + 2.0)  # no wait: stays at min_lookahead 1
         assert m.lookahead == 1.0
+        m.on_landed(0, 4, now=t + 3.0 - idle_before)  # done; the engines idle until the next admission
+        assert m.try_admit(4, now=t + 3.0) == 0
         m.note_take(waited_s=0.5, surplus=0, now=t + 3.0, late=0.25)
+        assert m.lookahead == 1.0  # one wait: a blip
+        m.note_take(waited_s=0.5, surplus=0, now=t + 4.0, late=0.25)  # the second in a row
         assert m.lookahead == pytest.approx(1.25 if idle_before else 1.0)
 
 

@@ -72,7 +72,8 @@ of each token's weights, not of its sample's start: a token sampled before the p
 V trains at V + 1 or later, one sampled after it trains fresh. Whole-batch steps of L are coarse
 for that: when the trainer waits because the engines are slow (busy all along), adaptive
 admission still climbs to L = 2, starts a second batch early, and those tokens, finished fast, sit
-through two pushes — staleness that buys no speed, since the engines had no idle time to fill. The
+through two pushes — staleness that buys little speed, since the engines had no idle time to fill
+(docs/benchmarks.md, "Token-staleness admission"). The
 tokens rule keeps L a fraction of a batch (admission takes ⌊L·B⌋ samples of the batches ahead) and
 reads, at each take, how long the trainer waited, the share of the batch's response tokens that
 landed during that wait (`late_share`) and whether the engines sat with nothing in flight in this

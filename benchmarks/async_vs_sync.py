@@ -28,9 +28,10 @@ cores it overlaps on and the speedup collapses (docs/benchmarks.md).
 The last line is a JSON object: per mode the steady-state s/step (`time_step`), samples/s, stage
 times, engine idle fraction, cores and CPU seconds per step, and per round; `speedup` =
 s/step(α=0) / s/step(α=2) of the means (paper: 2.24×), `speedup_median` of the per-round ratios,
-`ideal_speedup`. With --eager a third mode runs α with `async_rl.admission=eager` (rollout always α
-batches ahead; the default `adaptive` looks further ahead only while the trainer waits for rollout),
-its speedup under `async_eager.speedup_fields`: what adaptive admission costs or saves in speed.
+`ideal_speedup`. --admissions eager,adaptive adds a mode per named `async_rl.admission` rule at α
+(mode async_<rule>; --eager = --admissions eager), each with its speedup under
+`async_<rule>.speedup_fields`: what the default rule (`tokens`) costs or saves in speed against
+rollout always α batches ahead (eager) or the whole-batch adaptive rule.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 
 KEYS = ("time_step", "time_rollout_wait", "time_train", "time_sync", "engine_idle_frac", "samples_per_s",
-        "tokens_per_s", "response_len_mean", "staleness_mean", "staleness_token_mean", "rollout_lookahead")
+        "tokens_per_s", "response_len_mean", "staleness_mean", "staleness_token_mean", "rollout_lookahead",
+        "admission/sit_s", "admission/starved_s")
 
 
 def main() -> int:
@@ -54,8 +56,9 @@ def main() -> int:
     p.add_argument("--skip", type=int, default=3, help="leading steps left out of the steady-state means")
     p.add_argument("--rounds", type=int, default=2, help="runs per mode, interleaved")
     p.add_argument("--alpha", type=int, default=2)
-    p.add_argument("--eager", action="store_true",
-                   help="also run α with async_rl.admission=eager (mode async_eager) beside the default admission")
+    p.add_argument("--eager", action="store_true", help="= --admissions eager")
+    p.add_argument("--admissions", default="",
+                   help="comma-separated async_rl.admission rules to also run at α (mode async_<rule>)")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step")
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
     p.add_argument("--micro-batch", type=int, default=0, help="0 = the whole batch in one micro-batch")
@@ -83,8 +86,9 @@ def main() -> int:
     ]
     opt_in = benchlib.uncorrected_opt_in(args.loss, args.alpha)
     order = [("sync", ["async_rl.alpha=0"]), ("async", [f"async_rl.alpha={args.alpha}", *opt_in])]
-    if args.eager:
-        order.append(("async_eager", [f"async_rl.alpha={args.alpha}", "async_rl.admission=eager", *opt_in]))
+    extra_rules = [a for a in args.admissions.split(",") if a] + (["eager"] if args.eager else [])
+    for rule in dict.fromkeys(extra_rules):
+        order.append((f"async_{rule}", [f"async_rl.alpha={args.alpha}", f"async_rl.admission={rule}", *opt_in]))
     runs: dict[str, list[dict]] = {mode: [] for mode, _ in order}
     t0 = time.time()
     load_before = benchlib.uptime_load()
@@ -122,8 +126,9 @@ def main() -> int:
     stage_rollout, stage_train = s["time_rollout_wait"], s["time_train"] + s["time_sync"]
     result["ideal_speedup"] = round((stage_rollout + stage_train) / max(stage_rollout, stage_train), 3)
     result.update(benchlib.speedup_fields(runs["sync"], runs["async"]))
-    if args.eager:
-        result["async_eager"]["speedup_fields"] = benchlib.speedup_fields(runs["sync"], runs["async_eager"])
+    for mode in runs:
+        if mode.startswith("async_"):
+            result[mode]["speedup_fields"] = benchlib.speedup_fields(runs["sync"], runs[mode])
     result["samples_per_s_ratio"] = round(a["samples_per_s"] / s["samples_per_s"], 3)
     result["load_avg_1m_before"] = load_before
     result["seconds"] = round(time.time() - t0, 1)

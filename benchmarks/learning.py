@@ -68,7 +68,8 @@ def plot(curves: dict[str, dict[int, list[float]]], path: str, *, alpha: int) ->
 
 
 DIAGNOSTICS = ("train/mismatch_abs", "train/approx_kl", "train/grad_norm", "train/is_weight_mean",
-               "staleness_token_mean", "rollout_lookahead", "mismatch_labelled_abs", "time_step", "time_train")
+               "staleness_token_mean", "rollout_lookahead", "admission/sit_s", "time_rollout_wait",
+               "mismatch_labelled_abs", "time_step", "time_train")
 
 
 def item_overrides(item: str, *, alpha: int, code: str) -> list[str]:

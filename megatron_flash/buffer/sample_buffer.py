@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from megatron_flash.buffer.staleness import StalenessManager, is_trainable
+from megatron_flash.buffer.staleness import StalenessManager, is_trainable, late_share
 from megatron_flash.trace import TRACER
 from megatron_flash.types import Group
 
@@ -34,6 +34,7 @@ class SampleBuffer:
         self.stale_policy = stale_policy
         self.on_evict = on_evict
         self._groups: list[Group] = []
+        self._arrived: dict[int, float] = {}  # id(group) → when it entered the buffer (monotonic)
         self._cond = threading.Condition()
         self._closed: Optional[BaseException] = None
         self._is_closed = False
@@ -42,6 +43,7 @@ class SampleBuffer:
     def put(self, group: Group) -> None:
         with self._cond:
             self._groups.append(group)
+            self._arrived[id(group)] = time.monotonic()
             self._cond.notify_all()
         TRACER.instant("put", "buffer", "buffer", group=group.group_id, prompt=group.prompt_index,
                        version_start=group.version_start, samples=len(group))
@@ -69,6 +71,7 @@ class SampleBuffer:
         """Put checkpointed groups back (before the producer starts); they count as outstanding."""
         with self._cond:
             self._groups.extend(groups)
+            self._arrived.update((id(g), time.monotonic()) for g in groups)
             self.staleness.counters.outstanding += sum(len(g) for g in groups)
             self.staleness.counters.submitted += sum(len(g) for g in groups)
             self._cond.notify_all()
@@ -94,6 +97,7 @@ class SampleBuffer:
             (keep if is_trainable(version, g.version_start, alpha) else evicted).append(g)
         self._groups = keep
         for g in evicted:
+            self._arrived.pop(id(g), None)
             self.staleness.on_drop(len(g), reason="regenerated" if self.stale_policy == "regenerate" else "stale",
                                    lengths=[len(s.response_ids) for s in g.samples])
             if self.on_evict is not None:
@@ -124,8 +128,15 @@ class SampleBuffer:
                     self._groups = [g for g in self._groups if id(g) not in chosen]
                     self.staleness.on_consume(num_samples)
                     now = time.monotonic()
+                    # Arrival, not time_finished: a group finished before the wait but put after it
+                    # began (the rollout thread descheduled in between) still kept the trainer waiting.
+                    tokens = [sum(len(s.response_ids) for s in g.samples) for g in picked]
+                    arrived = [self._arrived.pop(id(g), now) for g in picked]
+                    sit = sum(max(0.0, now - g.time_finished) * len(g) for g in picked) / num_samples
                     self.staleness.note_take(waited_s=now - entered, now=now,
-                                             surplus=sum(len(g) for g in self._groups))
+                                             surplus=sum(len(g) for g in self._groups),
+                                             late=late_share(tokens=tokens, arrived=arrived, since=entered),
+                                             sit_s=sit)
                     TRACER.instant("take", "buffer", "buffer", samples=num_samples, groups=len(picked),
                                    left=sum(len(g) for g in self._groups))
                     return picked

@@ -66,12 +66,51 @@ at once:
 
 every sample trains one version after it started; eager admission (L = 2) would have started 12 at
 v = 0 and trained every later sample two versions after its start, at the same speed.
+
+Token lookahead (`async_rl.admission=tokens`, the default). What the losses correct for is the age
+of each token's weights, not of its sample's start: a token sampled before the push that ends step
+V trains at V + 1 or later, one sampled after it trains fresh. Whole-batch steps of L are coarse
+for that: when the trainer waits because the engines are slow (busy all along), adaptive
+admission still climbs to L = 2, starts a second batch early, and those tokens, finished fast, sit
+through two pushes — staleness that buys little speed, since the engines had no idle time to fill
+(docs/benchmarks.md, "Token-staleness admission"). The
+tokens rule keeps L a fraction of a batch (admission takes ⌊L·B⌋ samples of the batches ahead) and
+reads, at each take, how long the trainer waited, the share of the batch's response tokens that
+landed during that wait (`late_share`) and whether the engines sat with nothing in flight in this
+step or the one before (idle engines show one step before the wait they cause):
+
+    the trainer did not wait past WAIT_TOLERANCE of the step        →  L − STEP_DOWN  (down to min_lookahead)
+    it waited, L < 1 (part of the batch started only at the push)   →  L + late share  (up to 1)
+    RAISE_AFTER waits in a row, L ≥ 1, the engines ran dry past
+    the tolerance                                                    →  L + late share  (up to α)
+    else (the engines were busy all along, or a single wait)        →  L               (more adds only staleness)
+
+`min_lookahead` (`async_rl.min_lookahead`, default 1) is the floor: at 1 the next batch always
+generates while this one trains (no wait is traded for freshness); below 1 L probes down until the
+trainer waits for the part of the batch that started after the push — fresher tokens for that wait.
+Worked example, B = 4 in groups of 2, α = 2, min_lookahead 0, the engines finish what they have:
+
+    time  event                                    V  consumed  outstanding  L      limit (V+1)·B + ⌊L·B⌋
+    0.0   start                                    0      0          0       1      4 + 4 = 8  → start 8 (v = 0)
+    1.0   all landed; take batch 0                 0      4          4       1      (first take: the clock starts)
+    2.0   push → V = 1, at once take 1, no wait    1      8          0       0.875  8 + 3 = 11 → start 2 (v = 1)
+    2.5   that group lands; the engines sit idle
+    3.0   push → V = 2                             2      8          2       0.875  12 + 3 = 15 → start 4 (v = 2)
+    3.4   take batch 2 after 0.4 s (> 5 % of 1.4 s), half its tokens landed in the wait
+                                                   2     12          2       1      0.875 + 0.5, at most 1
+
+batch 2's second group sampled its tokens at version 2 and trains at 2: fresh, for a 0.4 s wait;
+the engines' idle 0.5 s (2.5 → 3.0) is `admission/starved_s`. With the default min_lookahead 1 the
+second row keeps L = 1 and the next batch starts whole, as with adaptive admission; the two differ
+when the trainer waits on busy engines, where tokens holds L while adaptive climbs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
+import time
 from typing import Callable, Optional, Sequence
 
 
@@ -85,13 +124,15 @@ def is_trainable(version: int, version_start: int, alpha: int) -> bool:
     return 0 <= version - version_start <= alpha
 
 
-def capacity(*, version: int, alpha: int, batch_size: int, extra: int, consumed: int, outstanding: int) -> int:
+def capacity(*, version: int, alpha: float, batch_size: int, extra: int, consumed: int, outstanding: int) -> int:
     """Samples the rollout side may start now (negative = over-admitted, e.g. after drops). `alpha`
-    is the admission lookahead: α itself for eager admission."""
-    return (version + alpha + 1) * batch_size + extra - consumed - outstanding
+    is the admission lookahead in batches: α itself for eager admission, a fraction with `tokens`
+    (whole samples only: ⌊lookahead · B⌋ of the batches ahead)."""
+    ahead = math.floor(alpha * batch_size + 1e-9)
+    return (version + 1) * batch_size + ahead + extra - consumed - outstanding
 
 
-ADMISSIONS = ("adaptive", "eager")
+ADMISSIONS = ("tokens", "adaptive", "eager")
 WAIT_TOLERANCE = 0.05
 """A trainer wait for rollout up to this share of the step is noise (a reply in flight, the GIL), not
 a rollout bottleneck that more lookahead would hide."""
@@ -119,6 +160,35 @@ def next_lookahead(lookahead: int, *, alpha: int, waits_in_a_row: int, surplus: 
     return lookahead
 
 
+STEP_DOWN = 0.125
+"""`tokens` admission: after a take that did not wait, the lookahead falls by this share of a batch
+(two groups of the quickstart's sixteen), so it creeps back toward the least that keeps the trainer fed."""
+
+
+def late_share(*, tokens: Sequence[int], arrived: Sequence[float], since: float) -> float:
+    """The share of a batch's response tokens in groups that reached the buffer after `since` (the
+    moment the trainer began to wait): what came too late. `tokens[i]`, `arrived[i]`: group i."""
+    total = sum(tokens)
+    return sum(t for t, a in zip(tokens, arrived) if a > since) / total if total else 0.0
+
+
+def next_token_lookahead(lookahead: float, *, alpha: int, waits_in_a_row: int, late: float, starved: bool,
+                         floor: float = 1.0) -> float:
+    """The `tokens` lookahead (batches, a fraction) after a take (see "Token lookahead" above) that
+    ended `waits_in_a_row` takes waiting past the tolerance (0: this one did not), `late` = its
+    `late_share`, `starved` = the engines sat with nothing admitted past the tolerance in this step
+    or the one before; never below `floor` (`async_rl.min_lookahead`, at most α)."""
+    if not waits_in_a_row:
+        return max(lookahead - STEP_DOWN, min(floor, float(alpha)))
+    if lookahead < 1:  # the rest of the batch started only at the push: that is what the trainer waited for
+        return min(lookahead + late, 1.0, float(alpha))
+    if starved and waits_in_a_row >= RAISE_AFTER:  # a batch ahead, and still the engines ran dry
+        return min(lookahead + late, float(alpha))
+    # The engines were busy all along (more lookahead would only add staleness), or one wait: a blip
+    # (an engine faster than the trainer always idles, so one slow reply must not raise L).
+    return lookahead
+
+
 @dataclasses.dataclass
 class StalenessCounters:
     submitted: int = 0
@@ -132,31 +202,51 @@ class StalenessCounters:
     cancelled: int = 0
     skipped: int = 0
     """Samples of prompts an engine refused (HTTP 4xx), never retried."""
-    lookahead: int = 0
-    """Not a count: the admission lookahead L (batches) when the counters were read."""
+    lookahead: float = 0
+    """Not a count: the admission lookahead L (batches; a fraction with `tokens`) when the counters were read."""
+    late_share: float = 0.0
+    """Not a count: `late_share` of the last batch taken (0 when the trainer did not wait)."""
+    starved_s: float = 0.0
+    """Not a count: seconds the engines had nothing admitted (nothing in flight) between the last two takes."""
+    sit_s: float = 0.0
+    """Not a count: mean seconds the last batch's samples sat finished in the buffer before the take."""
 
 
 class StalenessManager:
     """Thread-safe counters + the capacity rule. The rollout thread asks `try_admit`; the trainer
     thread reports `on_consume`; anyone reports drops. Counts are in samples."""
 
-    def __init__(self, *, alpha: int, batch_size: int, extra: int = 0, admission: str = "eager") -> None:
-        if alpha < 0 or batch_size < 1 or extra < 0:
-            raise ValueError(f"need alpha >= 0, batch_size >= 1, extra >= 0; got {alpha}, {batch_size}, {extra}")
+    def __init__(self, *, alpha: int, batch_size: int, extra: int = 0, admission: str = "eager",
+                 min_lookahead: float = 1.0) -> None:
+        if alpha < 0 or batch_size < 1 or extra < 0 or min_lookahead < 0:
+            raise ValueError(f"need alpha >= 0, batch_size >= 1, extra >= 0, min_lookahead >= 0; got {alpha}, "
+                             f"{batch_size}, {extra}, {min_lookahead}")
         if admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}; got {admission!r}")
         self.alpha, self.batch_size, self.extra, self.admission = alpha, batch_size, extra, admission
+        self.min_lookahead = min_lookahead
         self.counters = StalenessCounters()
         self._lock = threading.Lock()
         self._version = 0
-        self._lookahead = alpha if admission == "eager" else lookahead_floor(alpha)
+        self._lookahead = self._first_lookahead()
         self._last_take: float | None = None  # monotonic time the trainer's previous batch was handed out
         self._waits = 0  # takes in a row that waited for rollout (since the lookahead last rose)
         self._in_flight: dict[int, int] = {}  # start version → samples admitted, not yet landed
+        self._idle_since: float | None = time.monotonic()  # nothing in flight since then (None: busy)
+        self._idle_s = 0.0  # engine time with nothing admitted since the last take (closed stretches)
+        self._previous = (0.0, 0.0)  # (idle, period) seconds of the step before the last take
+        self._take = (0.0, 0.0, 0.0)  # the last take's late share, starved seconds, sit seconds
         self._drop_lengths: dict[str, list[int]] = {}
         self.observer: Optional[Callable[[str, int], None]] = None
         """Told ("admit" or "drop {reason}", samples) of every admission and drop, outside the lock (the
         run's trace shows them)."""
+
+    def _first_lookahead(self) -> float:
+        if self.admission == "eager":
+            return self.alpha
+        if self.admission == "tokens":
+            return min(max(1.0, self.min_lookahead), float(self.alpha))
+        return lookahead_floor(self.alpha)
 
     @property
     def version(self) -> int:
@@ -169,7 +259,7 @@ class StalenessManager:
             self._version = version
 
     @property
-    def lookahead(self) -> int:
+    def lookahead(self) -> float:
         return self._lookahead
 
     def capacity(self) -> int:
@@ -177,21 +267,40 @@ class StalenessManager:
         return capacity(version=self._version, alpha=self._lookahead, batch_size=self.batch_size, extra=self.extra,
                         consumed=c.consumed, outstanding=c.outstanding)
 
-    def note_take(self, *, waited_s: float, surplus: int, now: float) -> None:
+    def note_take(self, *, waited_s: float, surplus: int, now: float, late: float = 0.0, sit_s: float = 0.0) -> None:
         """The trainer took a batch after waiting `waited_s`, leaving `surplus` finished samples
-        buffered: adaptive admission moves its lookahead (the first take, with no step before it to
+        buffered; `late` = its `late_share`, `sit_s` = how long its samples sat finished (mean):
+        adaptive and tokens admission move the lookahead (the first take, with no step before it to
         compare against, only starts the clock)."""
         with self._lock:
-            if self.admission == "adaptive" and self._last_take is not None:
-                self._waits = self._waits + 1 if waited(waited_s, now - self._last_take) else 0
-                before = self._lookahead
-                self._lookahead = next_lookahead(before, alpha=self.alpha, waits_in_a_row=self._waits,
-                                                 surplus=surplus, batch_size=self.batch_size)
-                if self._lookahead > before:
-                    self._waits = 0
+            idle = self._idle_s + (now - self._idle_since if self._idle_since is not None else 0.0)
+            self._idle_s = 0.0
+            if self._idle_since is not None:
+                self._idle_since = now
+            if self._last_take is not None:
+                period = now - self._last_take
+                did_wait = waited(waited_s, period)
+                if self.admission == "adaptive":
+                    self._waits = self._waits + 1 if did_wait else 0
+                    before = self._lookahead
+                    self._lookahead = next_lookahead(before, alpha=self.alpha, waits_in_a_row=self._waits,
+                                                     surplus=surplus, batch_size=self.batch_size)
+                    if self._lookahead > before:
+                        self._waits = 0
+                elif self.admission == "tokens":
+                    self._waits = self._waits + 1 if did_wait else 0
+                    # This step and the one before: idle engines show a step before the wait they cause.
+                    starved = waited(idle + self._previous[0], period + self._previous[1])
+                    before = self._lookahead
+                    self._lookahead = next_token_lookahead(before, alpha=self.alpha, waits_in_a_row=self._waits,
+                                                           late=late, starved=starved, floor=self.min_lookahead)
+                    if self._lookahead > max(before, 1.0):
+                        self._waits = 0
+                self._previous = (idle, period)
+            self._take = (late, idle, sit_s)
             self._last_take = now
 
-    def try_admit(self, num_samples: int) -> int | None:
+    def try_admit(self, num_samples: int, *, now: float | None = None) -> int | None:
         """Admit `num_samples` (one group) if capacity allows; returns the start version, else None.
         Version read and admission happen under one lock, so a push cannot slip in between."""
         with self._lock:
@@ -200,12 +309,15 @@ class StalenessManager:
             self.counters.submitted += num_samples
             self.counters.outstanding += num_samples
             self._in_flight[self._version] = self._in_flight.get(self._version, 0) + num_samples
+            if self._idle_since is not None:  # the engines have work again
+                self._idle_s += max(0.0, (now if now is not None else time.monotonic()) - self._idle_since)
+                self._idle_since = None
             version = self._version
         if self.observer is not None:
             self.observer("admit", num_samples)
         return version
 
-    def on_landed(self, version_start: int, num_samples: int) -> None:
+    def on_landed(self, version_start: int, num_samples: int, *, now: float | None = None) -> None:
         """A group admitted at `version_start` left flight (buffered, filtered, failed, ...)."""
         with self._lock:
             left = self._in_flight.get(version_start, 0) - num_samples
@@ -214,6 +326,8 @@ class StalenessManager:
                 self._in_flight[version_start] = left
             else:
                 self._in_flight.pop(version_start, None)
+            if not self._in_flight and self._idle_since is None:
+                self._idle_since = now if now is not None else time.monotonic()
 
     def in_flight_through(self, version: int) -> int:
         """Samples still being generated whose start version is <= `version`."""
@@ -247,7 +361,9 @@ class StalenessManager:
     def snapshot(self) -> StalenessCounters:
         """A consistent copy of the counters (the rollout thread updates them in pairs, under the lock)."""
         with self._lock:
-            return dataclasses.replace(self.counters, lookahead=self._lookahead)
+            late, starved_s, sit_s = self._take
+            return dataclasses.replace(self.counters, lookahead=self._lookahead, late_share=late,
+                                       starved_s=starved_s, sit_s=sit_s)
 
     def take_drop_lengths(self) -> dict[str, list[int]]:
         """Response lengths of finished samples dropped since the last call, by reason (stale covers
@@ -262,5 +378,6 @@ class StalenessManager:
             self._version = version
             self._in_flight = {}
             self.counters = StalenessCounters(consumed=consumed, submitted=consumed)
-            self._lookahead = self.alpha if self.admission == "eager" else lookahead_floor(self.alpha)
+            self._lookahead = self._first_lookahead()
             self._last_take, self._waits = None, 0
+            self._idle_since, self._idle_s, self._previous = time.monotonic(), 0.0, (0.0, 0.0)

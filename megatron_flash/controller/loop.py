@@ -16,8 +16,8 @@
                                                                resume), V ← V + 1  (frees capacity)
 
 Who waits for whom: the rollout thread waits only for capacity (staleness.py: at most
-(L + 1)·B + extra samples in flight or buffered beyond what was consumed, the lookahead L ≤ α
-raised only while the trainer waits for rollout); the trainer waits only
+(L + 1)·B + extra samples in flight or buffered beyond what was consumed, the lookahead L ≤ α — a
+fraction of a batch by default — raised only while the trainer waits for rollout); the trainer waits only
 for a full batch of samples with V − start ≤ α (older ones are evicted: dropped or regenerated).
 Engines pause only while weights move. α = 0 degenerates to synchronous training.
 
@@ -152,7 +152,7 @@ class Controller:
                                "alpha > 0", cfg.async_rl.alpha)
         self.staleness = StalenessManager(alpha=cfg.async_rl.alpha, batch_size=self.batch_size,
                                           extra=cfg.rollout.extra_prompts * cfg.rollout.n_samples_per_prompt,
-                                          admission=cfg.async_rl.admission)
+                                          admission=cfg.async_rl.admission, min_lookahead=cfg.async_rl.min_lookahead)
         if self.mode.trains:
             self.policy = assembly.build_policy(cfg)
             self.rank = self.policy.layout.rank

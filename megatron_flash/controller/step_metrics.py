@@ -76,6 +76,8 @@ class StepRecorder:
         m.update(recipes.token_staleness(samples, version - 1))
         m.update(recipes.distill_metrics(samples))
         m["rollout_lookahead"] = c.lookahead
+        # What admission saw at this step's take (buffer/staleness.py "Token lookahead").
+        m["admission/late_share"], m["admission/starved_s"], m["admission/sit_s"] = c.late_share, c.starved_s, c.sit_s
         m.update(checks)
         m.update(sync_metrics)
         m.setdefault("train_infer_logprob_diff", None)  # neither a probe nor fresh samples this step

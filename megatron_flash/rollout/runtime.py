@@ -284,7 +284,7 @@ class RolloutRuntime:
             "tokenizer": self.tokenizer, "model_path": self.model_path, "urls": self.urls,
             "dump_groups": self.dump_groups, "return_routed_experts": self.return_routed_experts,
             "alpha": self.staleness.alpha, "batch_size": self.staleness.batch_size, "extra": self.staleness.extra,
-            "admission": self.staleness.admission,
+            "admission": self.staleness.admission, "min_lookahead": self.staleness.min_lookahead,
             "version": self.staleness.version, "counters": self.staleness.snapshot(),
             "stale_policy": self.buffer.stale_policy, "restore": restore, "parent_pid": os.getpid(),
             "trace": TRACER.enabled, "distill": self.distill, "teacher_urls": self.teacher_urls}
@@ -453,7 +453,7 @@ def build_in_child(spec: dict[str, Any]) -> dict[str, Any]:
     """Inside the rollout process (rollout/process.py): from the `spec` that `_start_process` wrote, its
     own StalenessManager, SampleBuffer and a thread-mode RolloutRuntime, the rollout started."""
     staleness = StalenessManager(alpha=spec["alpha"], batch_size=spec["batch_size"], extra=spec["extra"],
-                                 admission=spec["admission"])
+                                 admission=spec["admission"], min_lookahead=spec["min_lookahead"])
     staleness.set_version(spec["version"])
     if spec.get("trace"):  # events go to the trainer's trace with each step's take_activity
         TRACER.forward()

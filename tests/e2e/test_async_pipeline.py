@@ -7,8 +7,9 @@ the trainer's for fresh samples (train/inference parity through the pushes), the
 differs from the start, rollout-only dumps replay in train-only mode, and bad input fails clearly.
 The α runs also write their timeline (logging.trace): it parses, spans nest per row, the engine's
 request spans are exactly the requests each metrics window counted, generation overlaps training at
-α = 2 and never at α = 0 (and pipeline/overlap says the same); tools/report.py builds from the α = 2
-run. Runs without logging.trace write no trace.
+α = 2 and never at α = 0 (and pipeline/overlap says the same), admission/sit_s of each step matches
+the trace's put-to-take times of the groups it trained; tools/report.py builds from the α = 2 run.
+Runs without logging.trace write no trace.
 """
 
 from __future__ import annotations
@@ -86,6 +87,25 @@ def check_trace(run_dir: str, rows: list[dict], *, alpha: int) -> None:
     assert all(0 <= r["pipeline/overlap"] <= 1 for r in rows)
 
 
+def check_admission(run_dir: str, rows: list[dict], *, alpha: int) -> None:
+    """The admission metrics against the trace: admission/sit_s of each step is the mean time from the
+    `put` of each trained group (trained_prompts.jsonl names them) to the step's `take`; the default
+    tokens lookahead stays within [min(1, α), α]; a late share needs a wait."""
+    with open(os.path.join(run_dir, "trace.json")) as f:
+        events = json.load(f)["traceEvents"]
+    put_at = {e["args"]["prompt"]: e["ts"] for e in events if e["name"] == "put"}
+    takes = sorted(e["ts"] for e in events if e["name"] == "take")
+    with open(os.path.join(run_dir, "trained_prompts.jsonl")) as f:
+        trained = [json.loads(line)["prompt_indices"] for line in f if line.strip()]
+    assert len(takes) == len(trained) == len(rows)
+    for r, take, prompts in zip(rows, takes, trained):
+        sat = sum(take - put_at[p] for p in prompts) / len(prompts) / 1e6  # equal groups: the sample mean
+        assert abs(r["admission/sit_s"] - sat) <= 0.05, (r["step"], r["admission/sit_s"], sat)
+        assert min(1, alpha) <= r["rollout_lookahead"] <= alpha
+        assert 0 <= r["admission/late_share"] <= 1 and r["admission/starved_s"] >= 0
+        assert r["admission/late_share"] == 0 or r["time_rollout_wait"] > 0, r
+
+
 def metrics(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -129,6 +149,7 @@ def test_async_run_end_to_end(tiny_models, tmp_path, alpha: int) -> None:
     assert any((start[k] - final[k]).abs().max() > 0 for k in start)  # it trained
     assert sum(v for r in rows for k, v in r.items() if k.startswith("staleness/samples_")) == 16 * len(rows)
     check_trace(run_dir, rows, alpha=alpha)
+    check_admission(run_dir, rows, alpha=alpha)
     if alpha:
         from tools.report import SECTIONS, build_report
 

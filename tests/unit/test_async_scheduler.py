@@ -209,7 +209,8 @@ def train(h: Harness, steps: int, *, batch: int, alpha: int, train_s=lambda: 0.0
 
 @pytest.mark.parametrize("alpha, extra, stale_policy, admission", [
     (0, 0, "drop", "eager"), (1, 2, "drop", "eager"), (2, 4, "regenerate", "eager"), (3, 0, "drop", "eager"),
-    (2, 0, "drop", "adaptive"), (3, 2, "regenerate", "adaptive")])
+    (2, 0, "drop", "adaptive"), (3, 2, "regenerate", "adaptive"), (2, 0, "drop", "tokens"),
+    (3, 2, "regenerate", "tokens")])
 def test_no_sample_trained_beyond_alpha_over_ten_thousand_samples(alpha, extra, stale_policy, admission) -> None:
     rng = random.Random(alpha * 100 + extra)
     lock = threading.Lock()

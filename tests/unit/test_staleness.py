@@ -10,12 +10,15 @@ import pytest
 from megatron_flash.buffer.sample_buffer import BufferClosed, SampleBuffer
 from megatron_flash.buffer.staleness import (
     RAISE_AFTER,
+    STEP_DOWN,
     WAIT_TOLERANCE,
     StalenessManager,
     capacity,
     is_trainable,
+    late_share,
     lookahead_floor,
     next_lookahead,
+    next_token_lookahead,
     waited,
 )
 from megatron_flash.types import Group, Sample
@@ -241,7 +244,7 @@ def test_eager_admission_keeps_alpha_and_bad_admission_is_named() -> None:
     m.note_take(waited_s=0.0, surplus=0, now=1.0)
     m.note_take(waited_s=0.0, surplus=100, now=2.0)
     assert m.lookahead == 2 and m.capacity() == 12
-    with pytest.raises(ValueError, match="admission must be one of adaptive, eager; got 'lazy'"):
+    with pytest.raises(ValueError, match="admission must be one of tokens, adaptive, eager; got 'lazy'"):
         StalenessManager(alpha=1, batch_size=2, admission="lazy")
 
 
@@ -264,3 +267,120 @@ def test_buffer_take_reports_its_wait_and_surplus() -> None:
     time.sleep(0.2)  # the step trains
     buf.take_batch(2, timeout_s=1)  # no wait, group 4 (a whole batch) stays buffered
     assert m.lookahead == 1
+
+
+# ------------------------------------------------------------------ tokens admission (a fraction of a batch)
+@pytest.mark.parametrize("lookahead, alpha, waits, late, starved, floor, expected", [
+    # (L, α, takes in a row that waited, late token share of the batch, engines ran dry, min_lookahead) → next L
+    (1.5, 2, 0, 0.0, False, 1.0, 1.375),  # no wait: creep down by STEP_DOWN …
+    (1.0, 2, 0, 0.0, True, 1.0, 1.0),     # … not below min_lookahead (default: one batch)
+    (1.0, 2, 0, 0.0, False, 0.0, 0.875),  # min_lookahead 0: below one batch too
+    (0.1, 2, 0, 0.0, True, 0.0, 0.0),     # … never below 0 (rollout only after the push: synchronous)
+    (0.5, 2, 1, 0.25, False, 0.0, 0.75),  # below a batch the wait is admission's own: up by the late share
+    (0.875, 2, 1, 0.5, True, 0.0, 1.0),   # … but from below, at most to one batch
+    (1.0, 2, 2, 0.5, False, 1.0, 1.0),    # a batch ahead, engines busy all along: more only adds staleness
+    (1.0, 2, 1, 0.5, True, 1.0, 1.0),     # engines idle but a single wait: a blip
+    (1.0, 2, 2, 0.5, True, 1.0, 1.5),     # two waits running and the engines ran dry: up by the late share
+    (1.75, 2, 3, 0.5, True, 1.0, 2.0),    # … never past α
+    (0.0, 0, 2, 1.0, True, 1.0, 0.0),     # α = 0: synchronous, nothing to move
+    (0.0, 0, 0, 0.0, False, 1.0, 0.0),    # … whatever min_lookahead says
+])
+def test_next_token_lookahead_table(lookahead: float, alpha: int, waits: int, late: float, starved: bool,
+                                    floor: float, expected: float) -> None:
+    got = next_token_lookahead(lookahead, alpha=alpha, waits_in_a_row=waits, late=late, starved=starved, floor=floor)
+    assert got == pytest.approx(expected) and STEP_DOWN == 0.125 and RAISE_AFTER == 2
+
+
+def test_late_share_counts_the_tokens_that_arrived_during_the_wait() -> None:
+    # groups of 5, 5 and 10 response tokens buffered at 1, 2, 3 s; the trainer began waiting at 1.5 s
+    assert late_share(tokens=[5, 5, 10], arrived=[1.0, 2.0, 3.0], since=1.5) == pytest.approx(15 / 20)
+    assert late_share(tokens=[5, 5], arrived=[1.0, 1.2], since=1.5) == 0.0
+    assert late_share(tokens=[], arrived=[], since=0.0) == 0.0
+
+
+def test_a_fractional_lookahead_admits_whole_samples_of_the_next_batch() -> None:
+    # version 3, B = 16, L = 0.875: (3 + 1)·16 + ⌊14⌋ − 48 consumed = 30 may start
+    assert capacity(version=3, alpha=0.875, batch_size=16, extra=0, consumed=48, outstanding=0) == 30
+    assert capacity(version=3, alpha=0.3, batch_size=16, extra=0, consumed=48, outstanding=0) == 20  # ⌊4.8⌋ = 4
+    assert capacity(version=3, alpha=2, batch_size=16, extra=0, consumed=48, outstanding=0) == 48  # = eager's
+
+
+def test_token_admission_worked_example_of_the_docstring() -> None:
+    """B = 4 in groups of 2, α = 2, min_lookahead 0: the "Token lookahead" table in staleness.py, on an
+    injected clock."""
+    t = time.monotonic()
+    m = StalenessManager(alpha=2, batch_size=4, admission="tokens", min_lookahead=0.0)
+    assert m.lookahead == 1 and m.capacity() == 8
+    # step 0: batches 0 and 1 start; both finish by t+1 (the engines then sit idle); take 0 at t+1
+    for _ in range(4):
+        assert m.try_admit(2, now=t) == 0
+    assert m.try_admit(2, now=t) is None
+    for _ in range(4):
+        m.on_landed(0, 2, now=t + 1.0)
+    m.on_consume(4)
+    m.note_take(waited_s=1.0, surplus=4, now=t + 1.0, late=1.0)  # the first take starts the clock
+    assert m.lookahead == 1
+    # take 1 at t+2, batch 1 ready: no wait → L = 0.875, ⌊3.5⌋ = 3 samples ahead: one group of the next batch
+    m.set_version(1)
+    m.on_consume(4)
+    m.note_take(waited_s=0.0, surplus=0, now=t + 2.0, late=0.0, sit_s=1.0)
+    assert m.lookahead == pytest.approx(0.875) and m.capacity() == 3
+    assert m.try_admit(2, now=t + 2.0) == 1 and m.try_admit(2, now=t + 2.0) is None
+    m.on_landed(1, 2, now=t + 2.5)
+    # push → V = 2 at t+3: (2 + 1)·4 + 3 − 8 − 2 = 5: the batch's second group and one of the next start
+    m.set_version(2)
+    assert m.capacity() == 5
+    assert m.try_admit(2, now=t + 3.0) == 2 and m.try_admit(2, now=t + 3.0) == 2
+    m.on_landed(2, 2, now=t + 3.4)
+    # take 2 at t+3.4 after a 0.4 s wait (past 5 % of the 1.4 s step) for half the batch's tokens
+    m.on_consume(4)
+    m.note_take(waited_s=0.4, surplus=0, now=t + 3.4, late=0.5, sit_s=0.45)
+    assert m.lookahead == pytest.approx(1.0)  # 0.875 + 0.5, but from below one batch at most 1
+    c = m.snapshot()
+    assert (c.lookahead, c.late_share, c.sit_s) == (1.0, 0.5, 0.45)
+    # since take 1 the engines had nothing in flight from 2.5 to 3.0 (the push): 0.5 s
+    assert c.starved_s == pytest.approx(0.5)
+
+
+def test_token_admission_rises_past_one_batch_only_when_the_engines_ran_dry() -> None:
+    """At L = 1 a trainer that waits twice running while the engines were busy keeps L (a slow engine,
+    not admission); one whose waits follow a step in which the engines sat with nothing admitted gets
+    the late share. A single wait never raises L past one batch."""
+    t = time.monotonic()
+    for idle_before in (0.0, 0.5):
+        m = StalenessManager(alpha=2, batch_size=4, admission="tokens")
+        assert m.lookahead == 1.0
+        m.note_take(waited_s=0.0, surplus=0, now=t + 1.0)  # the clock starts
+        assert m.try_admit(4, now=t + 1.0) == 0
+        m.note_take(waited_s=0.0, surplus=4, now=t + 2.0)  # no wait: stays at min_lookahead 1
+        assert m.lookahead == 1.0
+        m.on_landed(0, 4, now=t + 3.0 - idle_before)  # done; the engines idle until the next admission
+        assert m.try_admit(4, now=t + 3.0) == 0
+        m.note_take(waited_s=0.5, surplus=0, now=t + 3.0, late=0.25)
+        assert m.lookahead == 1.0  # one wait: a blip
+        m.note_take(waited_s=0.5, surplus=0, now=t + 4.0, late=0.25)  # the second in a row
+        assert m.lookahead == pytest.approx(1.25 if idle_before else 1.0)
+
+
+def test_tokens_admission_starts_one_batch_ahead_within_alpha() -> None:
+    assert StalenessManager(alpha=2, batch_size=4, admission="tokens").lookahead == 1.0
+    assert StalenessManager(alpha=2, batch_size=4, admission="tokens", min_lookahead=1.5).lookahead == 1.5
+    assert StalenessManager(alpha=0, batch_size=4, admission="tokens").capacity() == 4  # α = 0: one batch
+    with pytest.raises(ValueError, match="min_lookahead >= 0"):
+        StalenessManager(alpha=2, batch_size=4, admission="tokens", min_lookahead=-0.5)
+
+
+def test_buffer_take_reports_the_late_share_and_how_long_samples_sat() -> None:
+    """take_batch hands the rule the tokens that landed while the trainer waited and the mean time the
+    batch's samples sat finished: one group (2 samples, 1 token each) buffered 0.2 s before the take
+    began, one landing 0.3 s into the wait."""
+    m = StalenessManager(alpha=2, batch_size=4, admission="tokens")
+    buf = SampleBuffer(m)
+    m.counters.outstanding = 4
+    buf.put(group(0, 0, t=time.monotonic() - 0.2))
+    threading.Timer(0.3, lambda: buf.put(group(1, 0, t=time.monotonic()))).start()
+    buf.take_batch(4, timeout_s=5, poll_s=0.01)
+    c = m.snapshot()
+    assert c.late_share == pytest.approx(0.5)  # 2 of the batch's 4 tokens came during the wait
+    # sat: group 0 at least its 0.2 s head start plus the wait, group 1 about nothing → mean over samples ≥ 0.1 s
+    assert c.sit_s >= 0.1

@@ -444,15 +444,11 @@ class _Simulation:
             self.admitted -= len(running)
 
     def take_batch(self) -> list[int]:
-        """The next step's groups. Without redundancy (the product's rule, docs/async_pipeline.md) a group
-        started at v must train by step v + α: the trainer waited until none of those is still generating
-        and puts them first, then the earliest finished. With redundancy: the first gps finished."""
-        if self.waits:
-            floor = self.version - self.alpha
-            due = [g for g in self.buffer if self.groups[g].v <= floor]
-            order = due + [g for g in self.buffer if self.groups[g].v > floor]
-        else:
-            order = list(self.buffer)
+        """The next step's groups, as the product's buffer picks them: oldest start version first, then
+        the earliest finished. Without redundancy (docs/async_pipeline.md) a group started at v must train
+        by step v + α: the trainer waited until none of those is still generating, and being the oldest
+        they come first."""
+        order = sorted(self.buffer, key=lambda g: self.groups[g].v)  # stable: finish order within a version
         batch = order[:self.gps]
         chosen = set(batch)
         self.buffer[:] = [g for g in self.buffer if g not in chosen]

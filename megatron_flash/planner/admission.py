@@ -5,7 +5,7 @@ of megatron_flash; tests/unit/test_planner_admission.py drives both through the 
 checks they agree. The simulation asks one `Admission` object two things, so that a new rule replaces
 this module and nothing in simulation.py:
 
-    limit(version)   batches that may have been admitted in total: V + L + 1 (L = α: eager)
+    limit(version)   samples that may have been admitted in all: (V + L + 1) · B (L = α: eager)
     note_take(...)   after each batch the trainer takes (its wait, the finished samples left buffered)
 
 The lookahead L starts at the floor min(1, α) (adaptive) or at α (eager); after each take but the first
@@ -50,8 +50,7 @@ def next_lookahead(lookahead: int, *, alpha: int, waits_in_a_row: int, surplus: 
 
 
 class Admission:
-    """The admission lookahead of one simulated run (counts in batches; the product's are in samples,
-    B per batch, which gives the same limit)."""
+    """The admission lookahead L (in batches) of one simulated run and the limit it sets (in samples)."""
 
     def __init__(self, *, admission: str, alpha: int, batch_size: int) -> None:
         if admission not in ADMISSIONS:
@@ -62,8 +61,9 @@ class Admission:
         self.last_take: float | None = None
 
     def limit(self, version: int) -> int:
-        """Batches the rollout may have admitted in all at `version` (minus consumed and dropped ones)."""
-        return version + self.lookahead + 1
+        """Samples the rollout may have admitted in all at `version`, not counting dropped ones: the
+        product's capacity() with nothing consumed or outstanding."""
+        return (version + self.lookahead + 1) * self.batch_size
 
     def note_take(self, *, waited_s: float, surplus: int, now: float) -> None:
         """The trainer took a batch at `now` after waiting `waited_s` for rollout, leaving `surplus`

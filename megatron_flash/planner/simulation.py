@@ -340,12 +340,13 @@ class _Simulation:
         if self.colocated and self.train_end < math.inf:
             return
         if self.wave:
-            if not self.wave_gids and self.waves < self.admission.limit(self.version):
+            if not self.wave_gids and self.waves * self.work.batch_size < self.admission.limit(self.version):
                 self.waves += 1
                 self.wave_kept = 0
                 self.start_round()
             return
-        while self.admitted < self.admission.limit(self.version) * self.gps + self.extra_groups and self.room():
+        n = self.work.group_size  # a group is admitted whole, when all n of its samples fit (the product's try_admit)
+        while (self.admitted + 1 - self.extra_groups) * n <= self.admission.limit(self.version) and self.room():
             self.new_group()
             self.admitted += 1
 

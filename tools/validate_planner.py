@@ -324,8 +324,9 @@ def env_async(sets: list[CostSet], req: dict[str, float], *, seeds: int, suffix:
 # ---- paper shape -----------------------------------------------------------------------------------------
 
 def paper_shape(*, steps: int, seeds: int, gpus: list[int], sigmas: list[float], batch: int, max_len: int,
-                len_mean: float, alpha: int, sigma_gpus: int) -> dict:
-    """Model only: 7B (28 layers, 4 KV heads), H100 table, lognormal lengths, α = `alpha`. For each total GPU
+                len_mean: float, alpha: int, sigma_gpus: int, admission: str) -> dict:
+    """Model only: 7B (28 layers, 4 KV heads), H100 table, lognormal lengths, α = `alpha`, `admission` (the
+    tables of 2026-11-24 in docs/benchmarks.md predate adaptive admission: eager). For each total GPU
     count the best train/rollout split (train GPUs in steps of G/8) vs synchronous colocated training on all
     G GPUs; then at `sigma_gpus` GPUs the same vs the length spread σ."""
     model = planner.ModelSpec(num_params=7e9, num_layers=28, hidden_size=3584, num_kv_heads=4, head_dim=128)
@@ -338,6 +339,7 @@ def paper_shape(*, steps: int, seeds: int, gpus: list[int], sigmas: list[float],
         costs = planner.Costs.from_models(model=model, gpu=gpu, engine_tp=1, mean_ctx=512 + mean / 2,
                                           max_ctx=512 + max_len, prompt_len=512)
         run = lambda **kw: statistics.fmean(planner.simulate(work=work, costs=costs, num_steps=steps, seed=s,  # noqa: E731
+                                                             admission=admission,
                                                              **kw).sec_per_step for s in range(seeds))
         base = run(num_engines=total, train_gpus=total, alpha=0, colocated=True)
         unit = max(1, total // 8)
@@ -457,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-steps", type=int, default=20)
     p.add_argument("--sweep-seeds", type=int, default=2)
     p.add_argument("--alpha", type=int, default=2, help="α of the paper-shape sweep")
+    p.add_argument("--admission", default="adaptive", choices=("adaptive", "eager"),
+                   help="admission of the paper-shape sweep (the validation rows use what each run used)")
     args = p.parse_args(argv)
     random.seed(0)
     LENGTHS["mode"] = args.lengths
@@ -498,11 +502,12 @@ def main(argv: list[str] | None = None) -> int:
     shape = None
     if args.paper_shape:
         print(f"\npaper shape: 7B on H100, lognormal lengths mean {args.sweep_len_mean:.0f} (≤ {args.sweep_max_len}), "
-              f"B = {args.sweep_batch}, α = {args.alpha}; best split vs synchronous colocated", flush=True)
+              f"B = {args.sweep_batch}, α = {args.alpha}, {args.admission} admission; best split vs synchronous "
+              "colocated", flush=True)
         shape = paper_shape(steps=args.sweep_steps, seeds=args.sweep_seeds, gpus=[int(x) for x in args.gpus.split(",")],
                             sigmas=[float(x) for x in args.sigmas.split(",")], batch=args.sweep_batch,
                             max_len=args.sweep_max_len, len_mean=args.sweep_len_mean, alpha=args.alpha,
-                            sigma_gpus=args.sigma_gpus)
+                            sigma_gpus=args.sigma_gpus, admission=args.admission)
     print(f"({time.time() - t0:.0f} s)")
     print(json.dumps({"rows": rows, "summary": summ, "summary_same_hour": summ_same, "summary_staleness": summ_stale,
                       "request_engine_s": out["request_engine_s"],

@@ -46,7 +46,6 @@ import dataclasses
 import heapq
 import math
 import random
-from typing import Callable
 
 from megatron_flash.planner.admission import Admission
 from megatron_flash.planner.engine import Engine

@@ -57,8 +57,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a("--env-latency-sigma", type=float, default=1.0)
     a("--env-mode", default="async", choices=["async", "batch"])
     a("--alpha", type=int, default=2)
-    a("--admission", default="adaptive", choices=["adaptive", "eager"],
-      help="async_rl.admission: adaptive (lookahead L from 1 up to α while the trainer waits) or eager (L = α)")
+    a("--admission", default=planner.DEFAULT_ADMISSION, choices=list(planner.ADMISSIONS),
+      help="async_rl.admission: tokens (a fraction of a batch ahead), adaptive (whole batches, 1 up to α while the "
+           "trainer waits) or eager (α batches ahead)")
+    a("--min-lookahead", type=float, default=1.0, help="async_rl.min_lookahead (admission tokens only)")
     a("--scheduling", default="queue", choices=["queue", "batch"])
     a("--no-prompt-replication", action="store_true")
     a("--extra-groups", type=int, default=0, help="redundant prompts (rollout.extra_prompts)")
@@ -171,7 +173,7 @@ def evaluate(args, work, costs) -> dict:
     common = dict(work=work, costs=costs, num_steps=args.steps, scheduling=args.scheduling,
                   prompt_replication=not args.no_prompt_replication, extra_groups=args.extra_groups,
                   replication_chunk=args.replication_chunk,
-                  env_mode=args.env_mode, admission=args.admission, seed=args.seed)
+                  env_mode=args.env_mode, admission=args.admission, min_lookahead=args.min_lookahead, seed=args.seed)
     G, tp, unit = args.total_gpus, args.engine_tp, args.train_unit
     base = planner.simulate(num_engines=max(1, G // tp), train_gpus=G, alpha=0, colocated=True, **common)
     rows = []

@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-steps", type=int, default=20)
     p.add_argument("--sweep-seeds", type=int, default=2)
     p.add_argument("--alpha", type=int, default=2, help="α of the paper-shape sweep")
-    p.add_argument("--admission", default="adaptive", choices=("adaptive", "eager"),
+    p.add_argument("--admission", default=planner.DEFAULT_ADMISSION, choices=planner.ADMISSIONS,
                    help="admission of the paper-shape sweep (the validation rows use what each run used)")
     args = p.parse_args(argv)
     random.seed(0)

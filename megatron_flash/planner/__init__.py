@@ -14,6 +14,7 @@ Worked example (tests/unit/test_planner.py): two stages of 1 s each, constant le
 1 s/step vs 2 s/step synchronous: speedup 2, the ceiling for two balanced stages.
 """
 
+from megatron_flash.planner.admission import ADMISSIONS, DEFAULT_ADMISSION
 from megatron_flash.planner.lengths import (empirical_lengths, inv_k_lengths, lognormal_lengths, mean_len,
                                             read_lengths_file)
 from megatron_flash.planner.models import GPU_TABLE, Costs, GPUSpec, ModelSpec, Workload, measured_decode
@@ -21,5 +22,5 @@ from megatron_flash.planner.simulation import Result, Take, simulate
 
 _mean_len = mean_len  # the name tools/plan_resources.py and tools/validate_planner.py call
 
-__all__ = ["GPU_TABLE", "Costs", "GPUSpec", "ModelSpec", "Result", "Take", "Workload", "empirical_lengths",
+__all__ = ["ADMISSIONS", "DEFAULT_ADMISSION", "GPU_TABLE", "Costs", "GPUSpec", "ModelSpec", "Result", "Take", "Workload", "empirical_lengths",
            "inv_k_lengths", "lognormal_lengths", "mean_len", "measured_decode", "read_lengths_file", "simulate"]

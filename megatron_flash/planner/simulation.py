@@ -3,14 +3,15 @@
 Engines serve requests by processor sharing (engine.py: all sequences in an engine advance one token
 per decode step, whose cost depends on how many there are; a virtual clock makes each event O(log n)).
 The trainer takes B samples when B are buffered, trains, pushes (V += 1). Admission (admission.py,
-the product's rule): sample j may start only when j < (V + L + 1) · B, the lookahead L moved after each
-take (adaptive, the default: from min(1, α) up to α while the trainer keeps waiting for rollout) or
-L = α (eager); α = 0 is the synchronous schedule on the same split and the rollout never waits for
-anything else. Each trained token's staleness is V − the version of the weights that decoded it
-(engine.py: tokens decoded after a push are of the new version, in every pause mode). Expiry, as in the product: without redundancy a group started
-at v must train by step v + α, so the trainer waits while such a group is still generating and puts it
-first in the batch (a long response delays at most the step that is due to train it; nothing is
-discarded; staleness ≤ α).
+the product's rules): sample j may start only when j < (V + 1) · B + ⌊L · B⌋, the lookahead L (batches)
+moved after each take (adaptive: whole batches, from min(1, α) up to α while the trainer keeps waiting
+for rollout; tokens: a fraction, moved by the waits, the late share of the batch's tokens and idle
+engines) or L = α (eager); α = 0 is the synchronous schedule on the same split and the rollout never
+waits for anything else. Each trained token's staleness is V − the version of the weights that decoded
+it (engine.py: tokens decoded after a push are of the new version, in every pause mode). Expiry, as in
+the product: without redundancy a group started at v must train by step v + α, so the trainer waits
+while such a group is still generating and puts it first in the batch (a long response delays at most
+the step that is due to train it; nothing is discarded; staleness ≤ α).
 
     scheduling "queue": a request goes to the least-loaded engine the moment a slot frees
     scheduling "batch": a step's B requests start together; the next batch waits for the slowest
@@ -47,7 +48,7 @@ import heapq
 import math
 import random
 
-from megatron_flash.planner.admission import Admission
+from megatron_flash.planner.admission import DEFAULT_ADMISSION, Admission, late_share
 from megatron_flash.planner.engine import Engine
 from megatron_flash.planner.lengths import mean_len
 from megatron_flash.planner.models import Costs, Workload
@@ -84,8 +85,8 @@ class Take:
     version: int
     wait_s: float
     """Seconds from the trainer being free (its last push, or 0) to this take."""
-    lookahead: int
-    """The admission lookahead after this take moved it."""
+    lookahead: float
+    """The admission lookahead (batches) after this take moved it."""
     staleness: float
     """Mean over the batch's samples of V − start version."""
     token_staleness: float
@@ -120,19 +121,22 @@ class _Group:
     done: bool = False
     tokens: float = 0.0
     """Response tokens decoded so far (all members, all turns)."""
+    arrived: float = 0.0
+    """When it finished (reached the buffer, or was dropped)."""
     version_sum: float = 0.0
     """Sum over those tokens of the version that sampled each."""
 
 
 def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int, alpha: int, num_steps: int,
              colocated: bool = False, scheduling: str = "queue", prompt_replication: bool = True,
-             replication_chunk: int = 0, extra_groups: int = 0, env_mode: str = "async", admission: str = "adaptive",
-             seed: int = 0) -> Result:
+             replication_chunk: int = 0, extra_groups: int = 0, env_mode: str = "async", admission: str = DEFAULT_ADMISSION,
+             min_lookahead: float = 1.0, seed: int = 0) -> Result:
     """Simulate `num_steps` train steps; see the module docstring. `colocated`: the same GPUs generate
     then train (synchronous: alpha is 0 and generation waits while the trainer holds the GPUs).
     A group's n responses go out as n requests (prompt_replication), one request of n sequences
-    (prompt_replication=False), or requests of `replication_chunk` sequences. `admission`: the
-    product's `async_rl.admission`, adaptive (the default) or eager (admission.py)."""
+    (prompt_replication=False), or requests of `replication_chunk` sequences. `admission`,
+    `min_lookahead`: the product's `async_rl.admission` (tokens, adaptive, eager) and
+    `async_rl.min_lookahead` (tokens only), admission.py."""
     if scheduling not in ("queue", "batch") or env_mode not in ("async", "batch"):
         raise ValueError(f"scheduling={scheduling!r} / env_mode={env_mode!r}: queue|batch, async|batch")
     if work.batch_size % work.group_size:
@@ -142,7 +146,7 @@ def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int,
     sim = _Simulation(work=work, costs=costs, num_engines=num_engines, train_gpus=train_gpus, alpha=alpha,
                       colocated=colocated, scheduling=scheduling, prompt_replication=prompt_replication,
                       replication_chunk=replication_chunk, extra_groups=extra_groups, env_mode=env_mode,
-                      admission=admission, seed=seed)
+                      admission=admission, min_lookahead=min_lookahead, seed=seed)
     return sim.run(num_steps)
 
 
@@ -151,7 +155,7 @@ class _Simulation:
 
     def __init__(self, *, work: Workload, costs: Costs, num_engines: int, train_gpus: int, alpha: int,
                  colocated: bool, scheduling: str, prompt_replication: bool, replication_chunk: int,
-                 extra_groups: int, env_mode: str, admission: str, seed: int) -> None:
+                 extra_groups: int, env_mode: str, admission: str, min_lookahead: float, seed: int) -> None:
         self.work, self.costs, self.train_gpus, self.colocated = work, costs, train_gpus, colocated
         self.extra_groups, self.env_mode = extra_groups, env_mode
         n = work.group_size
@@ -159,7 +163,8 @@ class _Simulation:
         self.alpha = 0 if colocated else alpha
         self.wave = scheduling == "batch" or (env_mode == "batch" and work.num_turns > 1)
         self.gps = work.batch_size // n  # groups per step
-        self.admission = Admission(admission=admission, alpha=self.alpha, batch_size=work.batch_size)
+        self.admission = Admission(admission=admission, alpha=self.alpha, batch_size=work.batch_size,
+                                   min_lookahead=min(min_lookahead, max(self.alpha, 1)))
         self.takes: list[Take] = []
         self.free_at = 0.0  # when the trainer last became free to take a batch
         self.chunk = replication_chunk if replication_chunk > 1 else (1 if prompt_replication else n)
@@ -267,7 +272,8 @@ class _Simulation:
                 and not (self.colocated and any(e.slots for e in self.engines))
                 and not (self.waits and any(self.groups[g].v <= self.version - self.alpha for g in self.live))):
             batch = [self.groups[g] for g in self.take_batch()]
-            self.admission.note_take(waited_s=self.t - self.free_at, now=self.t,
+            late = late_share(tokens=[g.tokens for g in batch], arrived=[g.arrived for g in batch], since=self.free_at)
+            self.admission.note_take(waited_s=self.t - self.free_at, now=self.t, late=late,
                                      surplus=len(self.buffer) * self.work.group_size)
             tokens = sum(g.tokens for g in batch)
             token_lag = sum(self.version * g.tokens - g.version_sum for g in batch)
@@ -319,6 +325,7 @@ class _Simulation:
             ids.append(len(self.requests) - 1)
         self.groups.append(_Group(v=self.version, left=len(ids), keep=keep, reqs=ids))
         self.live.add(gid)
+        self.admission.on_admit(now=self.t)
         self.inflight += 1
         for rid in ids:
             self.to_client(rid)
@@ -403,13 +410,15 @@ class _Simulation:
             if not self.groups[g].done:
                 self.groups[g].done = True
                 self.live.discard(g)
+                self.admission.on_landed(now=self.t, in_flight=len(self.live))
                 self.inflight -= 1
                 self.cancelled += 1
 
     def group_done(self, gid: int) -> None:
         g = self.groups[gid]
-        g.done = True
+        g.done, g.arrived = True, self.t
         self.live.discard(gid)
+        self.admission.on_landed(now=self.t, in_flight=len(self.live))
         self.inflight -= 1
         if not self.wave:
             if g.keep:

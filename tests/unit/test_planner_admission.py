@@ -104,7 +104,8 @@ def test_the_token_lookahead_moves_as_the_products_over_the_same_events(alpha, m
             assert ours.limit(3) == product.capacity(version=3, alpha=mgr.lookahead, batch_size=batch, extra=0,
                                                      consumed=0, outstanding=0)
             seen.add(round(mgr.lookahead, 3))
-    assert len(seen) >= 4  # the lookahead moved both ways
+    if alpha > min_lookahead:  # else L is pinned at α
+        assert len(seen) >= 4  # the lookahead moved both ways
 
 
 @pytest.mark.parametrize("admission", ["adaptive", "eager"])

@@ -31,8 +31,9 @@ summarised apart: older rows compare runs with engine curves taken hours or days
 engine's curve drifts with box, hour and load.
 
 Measured numbers: constants in tools/planner_measurements.py, each with where it comes from
-(docs/benchmarks.md); with `--runs DIR` the ones that have run directories (DIR/bench_async_vs_sync, bench_queue_s3, bench_pr_s3_8, bench_pr_s3:
-metrics.jsonl per run, not in git) are recomputed from them (the benchmarks' steady-state means).
+(docs/benchmarks.md); with `--runs DIR` the ones that have run directories (DIR/bench_async_vs_sync,
+bench_queue_s3, bench_pr_s3_8, bench_pr_s3: metrics.jsonl per run, not in git) are recomputed from them
+(the benchmarks' steady-state means).
 """
 
 from __future__ import annotations

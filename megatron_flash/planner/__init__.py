@@ -22,5 +22,6 @@ from megatron_flash.planner.simulation import Result, Take, simulate
 
 _mean_len = mean_len  # the name tools/plan_resources.py and tools/validate_planner.py call
 
-__all__ = ["ADMISSIONS", "DEFAULT_ADMISSION", "GPU_TABLE", "Costs", "GPUSpec", "ModelSpec", "Result", "Take", "Workload", "empirical_lengths",
-           "inv_k_lengths", "lognormal_lengths", "mean_len", "measured_decode", "read_lengths_file", "simulate"]
+__all__ = ["ADMISSIONS", "DEFAULT_ADMISSION", "GPU_TABLE", "Costs", "GPUSpec", "ModelSpec", "Result", "Take",
+           "Workload", "empirical_lengths", "inv_k_lengths", "lognormal_lengths", "mean_len", "measured_decode",
+           "read_lengths_file", "simulate"]

@@ -129,8 +129,8 @@ class _Group:
 
 def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int, alpha: int, num_steps: int,
              colocated: bool = False, scheduling: str = "queue", prompt_replication: bool = True,
-             replication_chunk: int = 0, extra_groups: int = 0, env_mode: str = "async", admission: str = DEFAULT_ADMISSION,
-             min_lookahead: float = 1.0, seed: int = 0) -> Result:
+             replication_chunk: int = 0, extra_groups: int = 0, env_mode: str = "async",
+             admission: str = DEFAULT_ADMISSION, min_lookahead: float = 1.0, seed: int = 0) -> Result:
     """Simulate `num_steps` train steps; see the module docstring. `colocated`: the same GPUs generate
     then train (synchronous: alpha is 0 and generation waits while the trainer holds the GPUs).
     A group's n responses go out as n requests (prompt_replication), one request of n sequences

@@ -69,7 +69,9 @@ class Result:
     """Groups aborted unfinished (the rest of a redundant wave) or expired (too stale to train)."""
     token_staleness_mean: float = 0.0
     """Per trained token, V − the version whose weights sampled it (engine.py), over every take like
-    `staleness_mean` (which counts V − the sample's start version per sample)."""
+    `staleness_mean` (which counts V − the sample's start version per sample). Token-weighted, as the
+    product's `staleness_token_mean`: long responses, often the older ones, count more, so it may
+    exceed `staleness_mean` though no token is older than its sample's start."""
     lookahead_mean: float = 0.0
     """Admission lookahead L after each take (admission.py), mean over the steady-state steps."""
     train_wait_s: float = 0.0

@@ -9,7 +9,10 @@ YAML keys are the flag names with '_' for '-'. `--measured` (a previous run's me
 median of time_train, time_sync, time_rollout_wait from an α = 0 run) overrides the model: train and
 sync seconds are taken as measured (scaled by --measured-train-gpus / train GPUs) and the decode model
 is scaled so that the simulated synchronous generation time equals the measured one.
-Model and simulator: megatron_flash/planner/ (models, simulation, lengths). Last line: a JSON object.
+Model and simulator: megatron_flash/planner/ (models, simulation, admission, engine, lengths). Per split it
+prints staleness per sample (V − start version) and per token (V − the version that sampled it), the mean
+admission lookahead L and the trainer's wait for rollout per step (--admission: the product's rule).
+Last line: a JSON object.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a("--env-latency-sigma", type=float, default=1.0)
     a("--env-mode", default="async", choices=["async", "batch"])
     a("--alpha", type=int, default=2)
+    a("--admission", default=planner.DEFAULT_ADMISSION, choices=list(planner.ADMISSIONS),
+      help="async_rl.admission: tokens (a fraction of a batch ahead), adaptive (whole batches, 1 up to α while the "
+           "trainer waits) or eager (α batches ahead)")
+    a("--min-lookahead", type=float, default=1.0, help="async_rl.min_lookahead (admission tokens only)")
     a("--scheduling", default="queue", choices=["queue", "batch"])
     a("--no-prompt-replication", action="store_true")
     a("--extra-groups", type=int, default=0, help="redundant prompts (rollout.extra_prompts)")
@@ -166,7 +173,7 @@ def evaluate(args, work, costs) -> dict:
     common = dict(work=work, costs=costs, num_steps=args.steps, scheduling=args.scheduling,
                   prompt_replication=not args.no_prompt_replication, extra_groups=args.extra_groups,
                   replication_chunk=args.replication_chunk,
-                  env_mode=args.env_mode, seed=args.seed)
+                  env_mode=args.env_mode, admission=args.admission, min_lookahead=args.min_lookahead, seed=args.seed)
     G, tp, unit = args.total_gpus, args.engine_tp, args.train_unit
     base = planner.simulate(num_engines=max(1, G // tp), train_gpus=G, alpha=0, colocated=True, **common)
     rows = []
@@ -178,7 +185,8 @@ def evaluate(args, work, costs) -> dict:
         rows.append({"train_gpus": train, "rollout_gpus": engines * tp, "sec_per_step": r.sec_per_step,
                      "samples_per_s": r.samples_per_s, "train_idle": r.train_idle_frac,
                      "rollout_idle": r.rollout_idle_frac, "staleness": r.staleness_mean,
-                     "speedup": base.sec_per_step / r.sec_per_step})
+                     "token_staleness": r.token_staleness_mean, "lookahead": r.lookahead_mean,
+                     "train_wait_s": r.train_wait_s, "speedup": base.sec_per_step / r.sec_per_step})
     if not rows:
         raise ValueError(f"total_gpus={G} leaves no split with train_unit={unit} and engine_tp={tp}")
     best = max(rows, key=lambda x: x["speedup"])
@@ -217,18 +225,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"baseline sync colocated on {args.total_gpus} GPUs: {out['baseline']['sec_per_step']:.2f} s/step, "
           f"engine cap {costs.engine_cap} seqs, sync {costs.sync_s:.2f} s")
     print(f"{'train':>5} {'rollout':>7} {'s/step':>8} {'samples/s':>9} {'train idle':>10} {'rollout idle':>12} "
-          f"{'staleness':>9} {'speedup':>7}")
+          f"{'staleness':>9} {'token st.':>9} {'L':>4} {'wait s':>6} {'speedup':>7}")
     for r in out["rows"]:
         print(f"{r['train_gpus']:>5} {r['rollout_gpus']:>7} {r['sec_per_step']:>8.2f} {r['samples_per_s']:>9.2f} "
-              f"{r['train_idle']:>10.2f} {r['rollout_idle']:>12.2f} {r['staleness']:>9.2f} {r['speedup']:>7.2f}")
+              f"{r['train_idle']:>10.2f} {r['rollout_idle']:>12.2f} {r['staleness']:>9.2f} "
+              f"{r['token_staleness']:>9.2f} {r['lookahead']:>4.1f} {r['train_wait_s']:>6.2f} {r['speedup']:>7.2f}")
     b = out["best"]
     print(f"recommended: {b['train_gpus']} train / {b['rollout_gpus']} rollout GPUs, {b['speedup']:.2f}× "
-          f"(α = {args.alpha}); speedup vs α: " +
+          f"(α = {args.alpha}, {args.admission} admission); speedup vs α: " +
           ", ".join(f"{a}: {s:.2f}" for a, s in out["speedup_vs_alpha"].items()))
     if args.png:
         plot(args.png, out, args.alpha)
     print(json.dumps({"recommended": {"train_gpus": b["train_gpus"], "rollout_gpus": b["rollout_gpus"]},
                       "speedup": round(b["speedup"], 3), "sec_per_step": round(b["sec_per_step"], 3),
+                      "staleness": round(b["staleness"], 3), "token_staleness": round(b["token_staleness"], 3),
+                      "lookahead": round(b["lookahead"], 2), "train_wait_s": round(b["train_wait_s"], 3),
+                      "admission": args.admission,
                       "baseline_sec_per_step": round(out["baseline"]["sec_per_step"], 3),
                       "speedup_vs_alpha": {str(k): round(v, 3) for k, v in out["speedup_vs_alpha"].items()},
                       "measured": measured, "png": args.png or None}))

@@ -5,19 +5,23 @@ question it answers: for a model, a response-length distribution and G GPUs, how
 generate and how many train, and what does asynchrony buy over synchronous colocated training?
 
     models.py      what each stage costs: GPU table, model and workload shapes, `Costs`
-    simulation.py  `simulate`: engines, admission (α), scheduling, replication, filters, envs, trainer
+    simulation.py  `simulate`: engines, scheduling, replication, filters, envs, the trainer's takes
+    admission.py   the product's admission rule: lookahead L (adaptive or eager, ≤ α) moved after each take
+    engine.py      processor-sharing engine clock; which weight version decoded each token
     lengths.py     response-length samplers and measured lengths read from run outputs
 
 Worked example (tests/unit/test_planner.py): two stages of 1 s each, constant lengths, α ≥ 1 →
 1 s/step vs 2 s/step synchronous: speedup 2, the ceiling for two balanced stages.
 """
 
+from megatron_flash.planner.admission import ADMISSIONS, DEFAULT_ADMISSION
 from megatron_flash.planner.lengths import (empirical_lengths, inv_k_lengths, lognormal_lengths, mean_len,
                                             read_lengths_file)
 from megatron_flash.planner.models import GPU_TABLE, Costs, GPUSpec, ModelSpec, Workload, measured_decode
-from megatron_flash.planner.simulation import Result, simulate
+from megatron_flash.planner.simulation import Result, Take, simulate
 
 _mean_len = mean_len  # the name tools/plan_resources.py and tools/validate_planner.py call
 
-__all__ = ["GPU_TABLE", "Costs", "GPUSpec", "ModelSpec", "Result", "Workload", "empirical_lengths",
-           "inv_k_lengths", "lognormal_lengths", "mean_len", "measured_decode", "read_lengths_file", "simulate"]
+__all__ = ["ADMISSIONS", "DEFAULT_ADMISSION", "GPU_TABLE", "Costs", "GPUSpec", "ModelSpec", "Result", "Take",
+           "Workload", "empirical_lengths", "inv_k_lengths", "lognormal_lengths", "mean_len", "measured_decode",
+           "read_lengths_file", "simulate"]

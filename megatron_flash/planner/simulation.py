@@ -1,15 +1,17 @@
-"""The planner's discrete-event simulation of the RL pipeline (`simulate`) and the per-engine
-processor-sharing clock it runs on.
+"""The planner's discrete-event simulation of the RL pipeline (`simulate`).
 
-Engines serve requests by processor sharing (all sequences in an engine advance one token per decode
-step, whose cost depends on how many there are). Per-engine "virtual tokens served" S(t) makes each
-event O(log n): a request admitted at S0 with L tokens ends when S reaches S0 + L. The trainer takes B
-samples when B are buffered, trains, pushes (V += 1). Admission (docs/async_pipeline.md): sample j may
-start only when j < (V + α + 1) · B, so α = 0 is the synchronous schedule on the same split and the
-rollout never waits for anything else. Expiry, as in the product: without redundancy a group started
-at v must train by step v + α, so the trainer waits while such a group is still generating and puts it
-first in the batch (a long response delays at most the step that is due to train it; nothing is
-discarded; staleness ≤ α).
+Engines serve requests by processor sharing (engine.py: all sequences in an engine advance one token
+per decode step, whose cost depends on how many there are; a virtual clock makes each event O(log n)).
+The trainer takes B samples when B are buffered, trains, pushes (V += 1). Admission (admission.py,
+the product's rules): sample j may start only when j < (V + 1) · B + ⌊L · B⌋, the lookahead L (batches)
+moved after each take (adaptive: whole batches, from min(1, α) up to α while the trainer keeps waiting
+for rollout; tokens: a fraction, moved by the waits, the late share of the batch's tokens and idle
+engines) or L = α (eager); α = 0 is the synchronous schedule on the same split and the rollout never
+waits for anything else. Each trained token's staleness is V − the version of the weights that decoded
+it (engine.py: tokens decoded after a push are of the new version, in every pause mode). Expiry, as in
+the product: without redundancy a group started at v must train by step v + α, so the trainer waits
+while such a group is still generating and puts it first in the batch (a long response delays at most
+the step that is due to train it; nothing is discarded; staleness ≤ α).
 
     scheduling "queue": a request goes to the least-loaded engine the moment a slot frees
     scheduling "batch": a step's B requests start together; the next batch waits for the slowest
@@ -45,8 +47,9 @@ import dataclasses
 import heapq
 import math
 import random
-from typing import Callable
 
+from megatron_flash.planner.admission import DEFAULT_ADMISSION, Admission, late_share
+from megatron_flash.planner.engine import Engine
 from megatron_flash.planner.lengths import mean_len
 from megatron_flash.planner.models import Costs, Workload
 
@@ -64,37 +67,32 @@ class Result:
     """Finished groups the dynamic filter dropped."""
     groups_cancelled: int = 0
     """Groups aborted unfinished (the rest of a redundant wave) or expired (too stale to train)."""
+    token_staleness_mean: float = 0.0
+    """Per trained token, V − the version whose weights sampled it (engine.py), over every take like
+    `staleness_mean` (which counts V − the sample's start version per sample). Token-weighted, as the
+    product's `staleness_token_mean`: long responses, often the older ones, count more, so it may
+    exceed `staleness_mean` though no token is older than its sample's start."""
+    lookahead_mean: float = 0.0
+    """Admission lookahead L after each take (admission.py), mean over the steady-state steps."""
+    train_wait_s: float = 0.0
+    """Seconds a step the trainer waited for rollout (free to take until it took), steady-state mean."""
+    takes: list[Take] = dataclasses.field(default_factory=list)
+    """Every batch the trainer took, in order."""
 
 
-class _Engine:
-    """Processor sharing with a per-engine virtual clock S (tokens served to every active sequence)."""
-
-    def __init__(self, decode_step: Callable[[int], float]):
-        self.step = decode_step
-        self.S = 0.0
-        self.t = 0.0
-        self.ends: list[tuple[float, int]] = []  # (S at which the request ends, request id)
-        self.slots = 0  # sequences decoding (a request of n sampled sequences: its members not yet ended)
-        self.held = 0  # admission slots held (the proxy: a request of n holds n until its last member ends)
-        self.busy_s = 0.0
-        self.stall = 0.0  # engine-exclusive seconds still owed (request_engine_s): nothing decodes meanwhile
-
-    def advance(self, t: float) -> None:
-        dt = t - self.t
-        if self.stall:
-            used = min(self.stall, dt)
-            self.stall -= used
-            self.busy_s += used
-            dt -= used
-        if self.slots and dt > 0:
-            self.S += dt / self.step(self.slots)
-            self.busy_s += dt
-        self.t = t
-
-    def next_end(self) -> float:
-        if not self.ends:
-            return math.inf
-        return self.t + self.stall + max(0.0, self.ends[0][0] - self.S) * self.step(self.slots)
+@dataclasses.dataclass
+class Take:
+    """One batch the trainer took."""
+    t: float
+    version: int
+    wait_s: float
+    """Seconds from the trainer being free (its last push, or 0) to this take."""
+    lookahead: float
+    """The admission lookahead (batches) after this take moved it."""
+    staleness: float
+    """Mean over the batch's samples of V − start version."""
+    token_staleness: float
+    """Mean over the batch's response tokens of V − the version that sampled each."""
 
 
 @dataclasses.dataclass
@@ -123,15 +121,24 @@ class _Group:
     keep: bool
     reqs: list[int]
     done: bool = False
+    tokens: float = 0.0
+    """Response tokens decoded so far (all members, all turns)."""
+    arrived: float = 0.0
+    """When it finished (reached the buffer, or was dropped)."""
+    version_sum: float = 0.0
+    """Sum over those tokens of the version that sampled each."""
 
 
 def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int, alpha: int, num_steps: int,
              colocated: bool = False, scheduling: str = "queue", prompt_replication: bool = True,
-             replication_chunk: int = 0, extra_groups: int = 0, env_mode: str = "async", seed: int = 0) -> Result:
+             replication_chunk: int = 0, extra_groups: int = 0, env_mode: str = "async",
+             admission: str = DEFAULT_ADMISSION, min_lookahead: float = 1.0, seed: int = 0) -> Result:
     """Simulate `num_steps` train steps; see the module docstring. `colocated`: the same GPUs generate
     then train (synchronous: alpha is 0 and generation waits while the trainer holds the GPUs).
     A group's n responses go out as n requests (prompt_replication), one request of n sequences
-    (prompt_replication=False), or requests of `replication_chunk` sequences."""
+    (prompt_replication=False), or requests of `replication_chunk` sequences. `admission`,
+    `min_lookahead`: the product's `async_rl.admission` (tokens, adaptive, eager) and
+    `async_rl.min_lookahead` (tokens only), admission.py."""
     if scheduling not in ("queue", "batch") or env_mode not in ("async", "batch"):
         raise ValueError(f"scheduling={scheduling!r} / env_mode={env_mode!r}: queue|batch, async|batch")
     if work.batch_size % work.group_size:
@@ -140,7 +147,8 @@ def simulate(*, work: Workload, costs: Costs, num_engines: int, train_gpus: int,
         raise ValueError(f"keep_prob={work.keep_prob}: must be in (0, 1]")
     sim = _Simulation(work=work, costs=costs, num_engines=num_engines, train_gpus=train_gpus, alpha=alpha,
                       colocated=colocated, scheduling=scheduling, prompt_replication=prompt_replication,
-                      replication_chunk=replication_chunk, extra_groups=extra_groups, env_mode=env_mode, seed=seed)
+                      replication_chunk=replication_chunk, extra_groups=extra_groups, env_mode=env_mode,
+                      admission=admission, min_lookahead=min_lookahead, seed=seed)
     return sim.run(num_steps)
 
 
@@ -149,7 +157,7 @@ class _Simulation:
 
     def __init__(self, *, work: Workload, costs: Costs, num_engines: int, train_gpus: int, alpha: int,
                  colocated: bool, scheduling: str, prompt_replication: bool, replication_chunk: int,
-                 extra_groups: int, env_mode: str, seed: int) -> None:
+                 extra_groups: int, env_mode: str, admission: str, min_lookahead: float, seed: int) -> None:
         self.work, self.costs, self.train_gpus, self.colocated = work, costs, train_gpus, colocated
         self.extra_groups, self.env_mode = extra_groups, env_mode
         n = work.group_size
@@ -157,8 +165,12 @@ class _Simulation:
         self.alpha = 0 if colocated else alpha
         self.wave = scheduling == "batch" or (env_mode == "batch" and work.num_turns > 1)
         self.gps = work.batch_size // n  # groups per step
+        self.admission = Admission(admission=admission, alpha=self.alpha, batch_size=work.batch_size,
+                                   min_lookahead=min(min_lookahead, max(self.alpha, 1)))
+        self.takes: list[Take] = []
+        self.free_at = 0.0  # when the trainer last became free to take a batch
         self.chunk = replication_chunk if replication_chunk > 1 else (1 if prompt_replication else n)
-        self.engines = [_Engine(costs.decode_step) for _ in range(num_engines)]
+        self.engines = [Engine(costs.decode_step) for _ in range(num_engines)]
         self.requests: list[_Request] = []
         self.groups: list[_Group] = []
         self.queue: list[int] = []
@@ -176,7 +188,8 @@ class _Simulation:
         self.live: set[int] = set()  # groups generating (not finished, dropped or cancelled)
         self.waits = not self.wave and not extra_groups  # the trainer waits for groups that would expire (take_batch)
         self.step_ends: list[float] = []
-        self.staleness: list[int] = []
+        self.staleness: list[int] = []  # per group taken (each of n samples)
+        self.token_lag = self.tokens = 0.0  # over every token taken: Σ (V − its version), and how many
         self.mean_tokens = work.prompt_len + mean_len(work)
         self.t = 0.0
 
@@ -205,6 +218,9 @@ class _Simulation:
             self.version += 1
             self.steps += 1
             self.step_ends.append(t)
+            for e in self.engines:
+                e.mark_push(t)
+            self.free_at = t
             self.expire()
         elif tcl == t:
             self.queue.append(heapq.heappop(self.client)[1])
@@ -217,10 +233,13 @@ class _Simulation:
         else:
             self.member_ends(self.engines[ei])
 
-    def member_ends(self, eng: _Engine) -> None:
+    def member_ends(self, eng: Engine) -> None:
         eng.advance(self.t)
-        rid = heapq.heappop(eng.ends)[1]
+        end, rid, start = heapq.heappop(eng.ends)
         r = self.requests[rid]
+        g = self.groups[r.gid]
+        g.tokens += end - start
+        g.version_sum += eng.version_sum(start, end)
         eng.slots -= 1  # one member ended
         r.left_m -= 1
         if r.left_m:
@@ -237,7 +256,6 @@ class _Simulation:
                 heapq.heappush(self.env_heap, (self.t + latency, rid))
             return
         r.live = False
-        g = self.groups[r.gid]
         g.left -= 1
         if g.left == 0:
             self.group_done(r.gid)
@@ -255,9 +273,18 @@ class _Simulation:
         if (self.train_end == math.inf and len(self.buffer) >= self.gps
                 and not (self.colocated and any(e.slots for e in self.engines))
                 and not (self.waits and any(self.groups[g].v <= self.version - self.alpha for g in self.live))):
-            batch = self.take_batch()
-            n = self.work.group_size
-            self.staleness.extend(self.version - self.groups[g].v for g in batch for _ in range(n))
+            batch = [self.groups[g] for g in self.take_batch()]
+            late = late_share(tokens=[g.tokens for g in batch], arrived=[g.arrived for g in batch], since=self.free_at)
+            self.admission.note_take(waited_s=self.t - self.free_at, now=self.t, late=late,
+                                     surplus=len(self.buffer) * self.work.group_size)
+            tokens = sum(g.tokens for g in batch)
+            token_lag = sum(self.version * g.tokens - g.version_sum for g in batch)
+            self.token_lag, self.tokens = self.token_lag + token_lag, self.tokens + tokens
+            stale = [self.version - g.v for g in batch]
+            self.staleness.extend(stale)
+            self.takes.append(Take(t=self.t, version=self.version, wait_s=self.t - self.free_at,
+                                   lookahead=self.admission.lookahead, staleness=sum(stale) / len(stale),
+                                   token_staleness=token_lag / tokens if tokens else 0.0))
             dur = self.costs.train_s(self.train_gpus, int(self.work.batch_size * self.mean_tokens)) + self.costs.sync_s
             self.train_end = self.t + dur
             self.train_busy += dur
@@ -274,10 +301,14 @@ class _Simulation:
             train_idle = rollout_idle = 1 - rollout_busy - train_busy
         else:
             train_idle, rollout_idle = 1 - train_busy, 1 - rollout_busy
+        steady = self.takes[skip:num_steps] or self.takes[-1:]
         return Result(sec_per_step=sec, samples_per_s=self.work.batch_size / sec,
                       train_idle_frac=max(0.0, train_idle), rollout_idle_frac=max(0.0, rollout_idle),
                       staleness_mean=sum(self.staleness) / max(1, len(self.staleness)), total_s=total,
-                      groups_dropped=self.dropped, groups_cancelled=self.cancelled)
+                      groups_dropped=self.dropped, groups_cancelled=self.cancelled,
+                      token_staleness_mean=self.token_lag / self.tokens if self.tokens else 0.0,
+                      lookahead_mean=sum(x.lookahead for x in steady) / len(steady),
+                      train_wait_s=sum(x.wait_s for x in steady) / len(steady), takes=self.takes)
 
     # -- admission and dispatch -------------------------------------------------------------------
     def new_group(self) -> int:
@@ -296,6 +327,7 @@ class _Simulation:
             ids.append(len(self.requests) - 1)
         self.groups.append(_Group(v=self.version, left=len(ids), keep=keep, reqs=ids))
         self.live.add(gid)
+        self.admission.on_admit(now=self.t)
         self.inflight += 1
         for rid in ids:
             self.to_client(rid)
@@ -316,12 +348,13 @@ class _Simulation:
         if self.colocated and self.train_end < math.inf:
             return
         if self.wave:
-            if not self.wave_gids and self.waves < self.version + self.alpha + 1:
+            if not self.wave_gids and self.waves * self.work.batch_size < self.admission.limit(self.version):
                 self.waves += 1
                 self.wave_kept = 0
                 self.start_round()
             return
-        while self.admitted < (self.version + self.alpha + 1) * self.gps + self.extra_groups and self.room():
+        n = self.work.group_size  # a group is admitted whole, when all n of its samples fit (the product's try_admit)
+        while (self.admitted + 1 - self.extra_groups) * n <= self.admission.limit(self.version) and self.room():
             self.new_group()
             self.admitted += 1
 
@@ -346,7 +379,7 @@ class _Simulation:
             eng.stall += costs.request_engine_s + costs.prefill_token_engine_s * self.prefill_tokens(r)
             r.left_m = r.w
             for length in r.segs[r.turn][0]:
-                heapq.heappush(eng.ends, (eng.S + length + pre, rid))
+                heapq.heappush(eng.ends, (eng.S + length + pre, rid, eng.S + pre))
         self.queue[:] = keep
 
     def prefill_tokens(self, r: _Request) -> int:
@@ -379,13 +412,15 @@ class _Simulation:
             if not self.groups[g].done:
                 self.groups[g].done = True
                 self.live.discard(g)
+                self.admission.on_landed(now=self.t, in_flight=len(self.live))
                 self.inflight -= 1
                 self.cancelled += 1
 
     def group_done(self, gid: int) -> None:
         g = self.groups[gid]
-        g.done = True
+        g.done, g.arrived = True, self.t
         self.live.discard(gid)
+        self.admission.on_landed(now=self.t, in_flight=len(self.live))
         self.inflight -= 1
         if not self.wave:
             if g.keep:
@@ -420,15 +455,11 @@ class _Simulation:
             self.admitted -= len(running)
 
     def take_batch(self) -> list[int]:
-        """The next step's groups. Without redundancy (the product's rule, docs/async_pipeline.md) a group
-        started at v must train by step v + α: the trainer waited until none of those is still generating
-        and puts them first, then the earliest finished. With redundancy: the first gps finished."""
-        if self.waits:
-            floor = self.version - self.alpha
-            due = [g for g in self.buffer if self.groups[g].v <= floor]
-            order = due + [g for g in self.buffer if self.groups[g].v > floor]
-        else:
-            order = list(self.buffer)
+        """The next step's groups, as the product's buffer picks them: oldest start version first, then
+        the earliest finished. Without redundancy (docs/async_pipeline.md) a group started at v must train
+        by step v + α: the trainer waited until none of those is still generating, and being the oldest
+        they come first."""
+        order = sorted(self.buffer, key=lambda g: self.groups[g].v)  # stable: finish order within a version
         batch = order[:self.gps]
         chosen = set(batch)
         self.buffer[:] = [g for g in self.buffer if g not in chosen]

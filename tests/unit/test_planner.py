@@ -258,6 +258,21 @@ def test_validation_with_same_hour_inputs_predicts_async_vs_sync_unfitted():
     assert abs(p - 0.00122) <= 0.25 * 0.00122, p
 
 
+def test_validation_predicts_token_staleness_under_adaptive_and_eager_admission():
+    """The 2026-11-27 async_vs_sync run logged token staleness 0.90 with adaptive admission (L = 1 held) and
+    1.86 with eager, at the same 0.854 s/step. With the request cost solved from that run's α = 0 stage, the
+    planner's token staleness lands within 15 % of both, its lookahead at 1, and its steps within 15 %."""
+    vp = _validate_planner()
+    nov24 = dict(step_large=vp.STEP_2026_11_24_L4_H160, request_s=vp.ENGINE_PER_REQUEST_2026_11_24,
+                 client_s=vp.CLIENT_CPU_PER_REQUEST_2026_11_24)
+    p = vp.fit_request_cost(vp.MEASURED["avs2_2026_11_27"], vp.CostSet("alone", **nov24), seeds=1, steps=16)
+    rows = {r["what"]: r for r in vp.admission([vp.CostSet("stage time", **nov24)], {"stage time": p}, seeds=1,
+                                               steps=16)}
+    for what in ("adaptive token staleness", "eager token staleness", "adaptive (α=2) s/step", "eager (α=2) s/step"):
+        assert abs(rows[what]["error"]["stage time"]) <= 0.15, rows[what]
+    assert rows["adaptive lookahead L"]["predicted"]["stage time"] == pytest.approx(1.0)
+
+
 def test_validation_reads_measured_outputs_from_run_directories(tmp_path, monkeypatch):
     vp = _validate_planner()
     monkeypatch.setattr(vp, "MEASURED", copy.deepcopy(vp.MEASURED))

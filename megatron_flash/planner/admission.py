@@ -19,9 +19,10 @@ the trainer waited past WAIT_TOLERANCE of the take-to-take period:
               a whole batch of finished samples still buffered       →  L − 1  (down to min(1, α))
     tokens    did not wait                                           →  L − STEP_DOWN  (down to min_lookahead)
               waited, L < 1                                          →  L + late share  (up to 1)
-              waited, L ≥ 1, the engines sat idle past the tolerance
-                  over this step and the one before                  →  L + late share  (up to α)
-              waited, L ≥ 1, the engines busy all along              →  L
+              waited RAISE_AFTER takes in a row, L ≥ 1, the engines sat
+                  idle past the tolerance over this step and the
+                  one before                                         →  L + late share  (up to α)
+              waited, L ≥ 1, otherwise (busy engines, or one wait)   →  L
 
 Worked example (adaptive, α = 2, B = 1, RAISE_AFTER = 2): takes at 1.0, 1.2, 2.2, 3.4 s after waits of
 1.0, 0.0, 0.8, 1.0 s, nothing left buffered: the first starts the clock; 1.2 did not wait; 2.2 waited
@@ -71,16 +72,17 @@ def late_share(*, tokens: Sequence[float], arrived: Sequence[float], since: floa
     return sum(t for t, a in zip(tokens, arrived) if a > since) / total if total else 0.0
 
 
-def next_token_lookahead(lookahead: float, *, alpha: int, waited: bool, late: float, starved: bool,
+def next_token_lookahead(lookahead: float, *, alpha: int, waits_in_a_row: int, late: float, starved: bool,
                          floor: float = 1.0) -> float:
-    """Tokens: the lookahead after a take (the table above); `floor` = min_lookahead (at most α)."""
-    if not waited:
+    """Tokens: the lookahead after a take that ended `waits_in_a_row` waiting takes (0: it did not
+    wait; the table above); `floor` = min_lookahead (at most α)."""
+    if not waits_in_a_row:
         return max(lookahead - STEP_DOWN, min(floor, float(alpha)))
     if lookahead < 1:  # part of the batch started only at the push: that is what the trainer waited for
         return min(lookahead + late, 1.0, float(alpha))
-    if starved:  # a batch ahead and still the engines ran dry: start more of the next one early
+    if starved and waits_in_a_row >= RAISE_AFTER:  # a batch ahead and still the engines ran dry
         return min(lookahead + late, float(alpha))
-    return lookahead  # the engines were busy all along: more lookahead would only add staleness
+    return lookahead  # busy engines (more lookahead would only add staleness), or one wait: a blip
 
 
 class Admission:
@@ -139,8 +141,12 @@ class Admission:
                     self.waits = 0
             elif self.admission == "tokens":
                 # this step and the one before: idle engines show a step before the wait they cause
+                self.waits = self.waits + 1 if did_wait else 0
                 starved = waited(idle + self.previous[0], period + self.previous[1])
-                self.lookahead = next_token_lookahead(self.lookahead, alpha=self.alpha, waited=did_wait, late=late,
+                before = self.lookahead
+                self.lookahead = next_token_lookahead(before, alpha=self.alpha, waits_in_a_row=self.waits, late=late,
                                                       starved=starved, floor=self.min_lookahead)
+                if self.lookahead > max(before, 1.0):
+                    self.waits = 0
             self.previous = (idle, period)
         self.last_take = now

@@ -31,8 +31,11 @@ DROPS = ("dropped_stale", "regenerated_stale", "dropped_filtered", "reward_faile
 
 
 def command(model: str, run_dir: str, port: int, *extra: str) -> list[str]:
-    """test_resume's run (α = 1, 16-sample steps, checkpoint every step), shorter, with the process runner."""
-    return resume_command(model, run_dir, port, f"trainer.total_steps={STEPS}", "rollout.runner=process", *extra)
+    """test_resume's run (α = 1, 16-sample steps, checkpoint every step), shorter, with the process runner
+    and the `tokens` admission rule (its state crosses the process boundary; the thread runner's e2e
+    runs the default rule)."""
+    return resume_command(model, run_dir, port, f"trainer.total_steps={STEPS}", "rollout.runner=process",
+                          "async_rl.admission=tokens", *extra)
 
 
 def rollout_pid(log_text: str) -> int:

@@ -43,13 +43,14 @@ def test_token_rule_by_hand():
     """The table of admission.py, tokens: no wait steps down by 1/8 to the floor; a wait below one batch
     adds the late share up to 1; at or above one batch only when the engines starved, up to α."""
     f = mirror.next_token_lookahead
-    assert f(1.0, alpha=2, waited=False, late=0.0, starved=False, floor=0.0) == 0.875
-    assert f(1.0, alpha=2, waited=False, late=0.0, starved=False, floor=1.0) == 1.0
-    assert f(0.5, alpha=2, waited=True, late=0.25, starved=False, floor=0.0) == 0.75
-    assert f(0.875, alpha=2, waited=True, late=0.5, starved=False, floor=0.0) == 1.0
-    assert f(1.0, alpha=2, waited=True, late=0.3, starved=False) == 1.0
-    assert f(1.0, alpha=2, waited=True, late=0.3, starved=True) == pytest.approx(1.3)
-    assert f(1.9, alpha=2, waited=True, late=0.3, starved=True) == 2.0
+    assert f(1.0, alpha=2, waits_in_a_row=0, late=0.0, starved=False, floor=0.0) == 0.875
+    assert f(1.0, alpha=2, waits_in_a_row=0, late=0.0, starved=False, floor=1.0) == 1.0
+    assert f(0.5, alpha=2, waits_in_a_row=1, late=0.25, starved=False, floor=0.0) == 0.75
+    assert f(0.875, alpha=2, waits_in_a_row=1, late=0.5, starved=False, floor=0.0) == 1.0
+    assert f(1.0, alpha=2, waits_in_a_row=1, late=0.3, starved=False) == 1.0
+    assert f(1.0, alpha=2, waits_in_a_row=2, late=0.3, starved=True) == pytest.approx(1.3)
+    assert f(1.9, alpha=2, waits_in_a_row=2, late=0.3, starved=True) == 2.0
+    assert f(1.0, alpha=2, waits_in_a_row=1, late=0.3, starved=True) == 1.0  # one wait past a batch: a blip
     # tokens 10 landed at 2.5 and 8 at 3.4; the trainer began waiting at 3.0: 8 of 18 came late
     assert mirror.late_share(tokens=[10, 8], arrived=[2.5, 3.4], since=3.0) == pytest.approx(8 / 18)
     a = mirror.Admission(admission="tokens", alpha=2, batch_size=4, min_lookahead=0.0)
@@ -59,10 +60,10 @@ def test_token_rule_by_hand():
 
 @needs_tokens
 def test_token_pure_rules_match_the_product():
-    grid = itertools.product((0.0, 0.5, 0.875, 1.0, 1.5, 2.0), range(4), (False, True), (0.0, 0.3, 1.0),
+    grid = itertools.product((0.0, 0.5, 0.875, 1.0, 1.5, 2.0), range(4), (0, 1, 2, 3), (0.0, 0.3, 1.0),
                              (False, True), (0.0, 0.5, 1.0))
-    for lookahead, alpha, did_wait, late, starved, floor in grid:
-        kw = dict(alpha=alpha, waited=did_wait, late=late, starved=starved, floor=floor)
+    for lookahead, alpha, waits, late, starved, floor in grid:
+        kw = dict(alpha=alpha, waits_in_a_row=waits, late=late, starved=starved, floor=floor)
         assert mirror.next_token_lookahead(lookahead, **kw) == product.next_token_lookahead(lookahead, **kw), kw
     for since in (0.0, 2.9, 3.0, 3.5):
         kw = dict(tokens=[10, 8, 0], arrived=[2.5, 3.4, 3.0], since=since)

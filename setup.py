@@ -46,7 +46,8 @@ setup(
         "cpu": ["torch==2.13.0", "megatron-core==0.16.1", "transformers==5.23.0", "omegaconf==2.4.0",
                 "wandb==0.31.0", "tensorboard==2.21.0", "datasets==5.2.0", "math-verify==0.9.0"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7",  # matplotlib: benchmark plots
-                "openai>=1.40"],  # the agent gateway is tested with the official client
+                "openai>=1.40",  # the agent gateway is tested with the official client
+                "peft>=0.17"],  # LoRA exports are checked with PEFT's own loader
         "report": ["matplotlib>=3.7"],  # tools/report.py (pinned in requirements/cpu-lock.txt)
         # GPU clusters: SGLang engines. transformer-engine is optional (Megatron falls back to torch
         # norms/attention without it) and is installed separately against the cluster's CUDA.

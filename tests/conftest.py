@@ -94,6 +94,14 @@ def seed1_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
+@pytest.fixture(scope="session")
+def four_layer_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A four-layer tiny Llama: two layers per stage and chunk under PP2 × VPP2."""
+    path = str(tmp_path_factory.mktemp("four_layers") / "llama")
+    run_tool(["tools/make_tiny_model.py", "--out", path, "--arch", "llama", "--num-layers", "4", "--seed", "3"])
+    return path
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu(n): needs n CUDA GPUs")
 

@@ -79,8 +79,20 @@ def _group_by_section(keys: Sequence[str]) -> Dict[str, List[str]]:
     return sections
 
 
+def _schema_groups(cls: type = RunConfig, prefix: str = "") -> Iterator[str]:
+    """Dotted keys of the nested dataclasses below the sections (``model.lora``)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            if prefix:
+                yield f"{prefix}{f.name}"
+            yield from _schema_groups(hints[f.name], f"{prefix}{f.name}.")
+
+
 _LEAVES: Dict[str, Any] = dict(_schema_leaves())  # dotted key → annotation
 _SECTIONS: Dict[str, List[str]] = _group_by_section(list(_LEAVES))  # section → field names
+_GROUPS: Dict[str, List[str]] = {g: [k[len(g) + 1:] for k in _LEAVES if k.startswith(g + ".")]
+                                 for g in _schema_groups()}  # nested group → its field names
 
 
 def flat_keys() -> List[str]:
@@ -90,6 +102,10 @@ def flat_keys() -> List[str]:
 
 def _suggest(key: str) -> Optional[str]:
     """The valid key the user most likely meant, or None when nothing is close."""
+    group = key.rpartition(".")[0]
+    if group in _GROUPS:  # a field of a nested group (model.lora.rnak → model.lora.rank)
+        close = difflib.get_close_matches(key.rpartition(".")[2], _GROUPS[group], n=1, cutoff=0.6)
+        return f"{group}.{close[0]}" if close else None
     section, _, rest = key.partition(".")
     name = rest.split(".")[0]
     if section in _SECTIONS:
@@ -119,6 +135,9 @@ def _unknown_key_message(key: str) -> str:
     guess = _suggest(key)
     if guess is not None:
         return f"unknown config key '{key}' (did you mean '{guess}'?)"
+    group = key.rpartition(".")[0]
+    if group in _GROUPS:
+        return f"unknown config key '{key}' ({group} has: {', '.join(_GROUPS[group])})"
     section = key.partition(".")[0]
     if section in _SECTIONS:
         return f"unknown config key '{key}' ({section} has: {', '.join(_SECTIONS[section])})"
@@ -136,9 +155,10 @@ def _walk(value: Any, path: Tuple[str, ...], unknown: List[str], leaves: Dict[st
                           f"({path[-1].split('.')[0]}: {{{path[-1].split('.', 1)[1]}: ...}})", key=key)
     if key in _LEAVES:
         leaves[key] = value
-    elif not path or (len(path) == 1 and key in _SECTIONS):
+    elif not path or (len(path) == 1 and key in _SECTIONS) or key in _GROUPS:
         if not isinstance(value, Mapping):
-            example = f"{key}.{_SECTIONS[key][0]}=..." if path else "model: {hf_path: ...}"
+            first = (_GROUPS[key] if key in _GROUPS else _SECTIONS.get(key, [""]))[0]
+            example = f"{key}.{first}=..." if path else "model: {hf_path: ...}"
             raise ConfigError(f"config key '{key or '<top level>'}' must be a mapping of fields "
                               f"(e.g. {example}), got {value!r}", key=key or None)
         for child, child_value in value.items():

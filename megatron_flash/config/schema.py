@@ -45,6 +45,8 @@ ROUTING_REPLAY = ("off", "rollout")
 TOOL_PARSER_NAMES = ("hermes",)  # = agentic/gateway/tool_parsers.py TOOL_PARSERS (a unit test keeps them equal)
 RECOMPUTE_METHODS = ("uniform", "block")
 MOE_DISPATCHERS = ("auto", "allgather", "alltoall")
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")  # = trainer/lora.py TARGETS (a unit test keeps them equal)
+LORA_SYNC_MODES = ("auto", "merged", "adapter")
 
 
 
@@ -117,6 +119,45 @@ class _Section:
 
 
 @dataclass
+class LoraConfig(_Section):
+    _section: ClassVar[str] = "model.lora"
+
+    rank: int = 0
+    """Rank r of the low-rank adapters (LoRA): the base model is frozen and only the adapters train;
+    0 = full fine-tuning. The other fields of this section are refused while it is 0."""
+    alpha: float = 32.0
+    """LoRA alpha: the adapters' output is scaled by alpha / rank (Megatron-Bridge's and PEFT's rule)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input, in the training forward only (π_prox, the reference and the
+    engines never drop), in [0, 1)."""
+    targets: List[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Megatron modules that get adapters: qkv (attention's fused q/k/v), proj (attention output),
+    fc1 (SwiGLU gate/up), fc2 (MLP down); [all] = every one of them. MoE models: qkv and proj only."""
+    adapter_path: str = ""
+    """Start from this PEFT adapter (adapter_config.json + adapter_model.safetensors, e.g. one the
+    run exported) instead of fresh adapters; its rank, alpha and targets must equal this section's."""
+
+    def validate(self) -> None:
+        self._at_least("rank", 0)
+        if self.rank == 0:
+            default = LoraConfig()
+            for name in ("alpha", "dropout", "targets", "adapter_path"):
+                if getattr(self, name) != getattr(default, name):
+                    raise ValueError(f"{self._key(name)}={getattr(self, name)!r} is only used with LoRA on: set "
+                                     f"{self._key('rank')} > 0")
+            return
+        self._positive("alpha")
+        self._require(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
+        targets = list(self.targets)
+        if targets == ["all"]:
+            self.targets = list(LORA_TARGETS)
+            return
+        bad = [t for t in targets if t not in LORA_TARGETS]
+        self._require(bool(targets) and not bad and len(set(targets)) == len(targets), "targets",
+                      f"must be a list of distinct names from {'|'.join(LORA_TARGETS)} (or [all])")
+
+
+@dataclass
 class ModelConfig(_Section):
     _section: ClassVar[str] = "model"
 
@@ -140,6 +181,8 @@ class ModelConfig(_Section):
     moe_token_dispatcher: str = "auto"
     """MoE models: how tokens reach their experts across expert-parallel ranks: auto (alltoall with
     CUDA, allgather without) | allgather | alltoall (needs CUDA)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters (LoRA) on a frozen base; off unless model.lora.rank > 0 (docs/lora.md)."""
 
     def __post_init__(self) -> None:
         # YAML `true`/`false` arrive as bools, which OmegaConf turns into 'True'/'False'.
@@ -156,6 +199,10 @@ class ModelConfig(_Section):
         self._one_of("moe_token_dispatcher", MOE_DISPATCHERS)
         if self.moe_aux_loss_coeff is not None:
             self._at_least("moe_aux_loss_coeff", 0.0)
+        self.lora.validate()
+        if self.lora.rank and self.use_transformer_engine == "true":
+            raise ValueError("model.lora.rank > 0 needs the local layer spec (Transformer Engine's fused norm + "
+                             "linear layers take no adapters here): set model.use_transformer_engine=false or auto")
 
 
 @dataclass
@@ -645,9 +692,16 @@ class WeightSyncConfig(_Section):
     """Raise WeightSyncError (naming the engine and the step) when an engine is taken out of service;
     false = carry on with the others and list it in SyncReport.failed_urls. A sync that leaves no
     engine serving the new weights always raises."""
+    lora: str = "auto"
+    """With model.lora: what a push sends. merged: W + (alpha/r)·B·A formed in float32 and cast once to
+    the model dtype, a full-weight push any engine takes; adapter: only the adapter tensors (PEFT
+    names, a versioned adapter name), which the local engine merges into its own float32-exact copy
+    of the base and SGLang loads through its LoRA API (ipc or disk transport); auto: adapter with
+    engines.backend=local, merged otherwise. Refused without model.lora."""
 
     def validate(self) -> None:
         self._one_of("transport", WEIGHT_TRANSPORTS)
+        self._one_of("lora", LORA_SYNC_MODES)
         self._at_least("bucket_mb", 1)
         self._positive("probe_threshold")
         self._at_least("max_resync", 0)
@@ -993,6 +1047,15 @@ class RunConfig:
         """Section name → section object, in declaration order."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def lora_sync_mode(self) -> str:
+        """What a push sends with model.lora on: weight_sync.lora with auto resolved ("" without LoRA)."""
+        if not self.model.lora.rank:
+            return ""
+        if self.weight_sync.lora != "auto":
+            return self.weight_sync.lora
+        local = self.engines.backend == "local" and self.weight_sync.transport != "broadcast"
+        return "adapter" if local else "merged"
+
     def off_policy_reason(self) -> str:
         """Why the policy trains on samples another policy drew ("" when it trains on-policy, or not at
         all): a loss without behaviour correction is refused then (see loss.allow_uncorrected)."""
@@ -1068,6 +1131,12 @@ class RunConfig:
             raise ValueError("distill.allow_sampled_estimate=true is only used with distill.teacher set, "
                              f"distill.topk=0 and async_rl.alpha > 0; got distill.topk={self.distill.topk}, "
                              f"async_rl.alpha={self.async_rl.alpha}")
+        if self.weight_sync.lora != "auto" and not self.model.lora.rank:
+            raise ValueError(f"weight_sync.lora={self.weight_sync.lora} is only used with LoRA on (model.lora.rank > 0)")
+        if self.weight_sync.lora == "adapter" and self.weight_sync.transport == "broadcast":
+            raise ValueError("weight_sync.lora=adapter with weight_sync.transport=broadcast: engines take adapters "
+                             "through their LoRA API (tensors in shared memory, or a PEFT folder on disk), not over "
+                             "a process group; use weight_sync.transport=ipc or disk, or weight_sync.lora=merged")
         if self.engines.colocate and self.async_rl.alpha != 0:
             raise ValueError(
                 f"async_rl.alpha must be 0 with engines.colocate=true (colocated engines sleep while the "

@@ -25,6 +25,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_flash.hf.adapters import base_param, is_adapter_param, is_column, shards_to_adapter, write_peft_adapter
 from megatron_flash.hf.spec import CheckpointError, HFModelSpec
 from megatron_flash.hf.layouts import Layout, hf_to_shard, shards_to_hf
 from megatron_flash.hf.name_maps import name_map_for
@@ -88,14 +89,26 @@ class SafetensorsReader:
             raise CheckpointError(f"cannot read tensor {name!r} from {self.weight_map[name]!r}: {e}") from None
 
 
-def _chunk_params(model: Any) -> Iterator[tuple[int, str, torch.nn.Parameter]]:
+def _chunk_params(model: Any, *, merged: bool = False) -> Iterator[tuple[int, str, torch.Tensor]]:
     """(global index of the chunk's first layer, name, parameter) over a model or a list of model
-    chunks (interleaved pipeline); Megatron's DDP wrapper is looked through."""
+    chunks (interleaved pipeline); Megatron's DDP wrapper is looked through.
+
+    LoRA (trainer/lora.py): an adapted linear's `lora_a` / `lora_b` have no HF name and are skipped;
+    with `merged` its weight is the module's `lora_merged_weight()`, W + s·B·A, a new tensor."""
     for chunk in (model if isinstance(model, (list, tuple)) else [model]):
         offset = layer_offset(chunk)
         inner = getattr(chunk, "module", chunk)
-        for name, param in inner.named_parameters():
-            yield offset, name, param
+        seen: set[int] = set()
+        for module_name, module in inner.named_modules():
+            for short, param in module.named_parameters(recurse=False):
+                if id(param) in seen or is_adapter_param(short):
+                    continue
+                seen.add(id(param))
+                name = f"{module_name}.{short}" if module_name else short
+                if merged and short == "weight" and hasattr(module, "lora_merged_weight"):
+                    yield offset, name, module.lora_merged_weight()
+                else:
+                    yield offset, name, param
 
 
 def layer_offset(chunk: Any) -> int:
@@ -174,7 +187,7 @@ def stage_hf_tensors(model: Any, *, spec: HFModelSpec, layout: Layout,
     stage's dense owner instead (all-gathered over the EP group). Every rank of the stage must
     iterate (the shards are gathered by collectives)."""
     name_map = name_map_for(spec)
-    for offset, name, param in _chunk_params(model):
+    for offset, name, param in _chunk_params(model, merged=True):
         rule, hf_names = _resolve(name_map, name, offset, spec, layout)
         if spec.tie_word_embeddings and name == "output_layer.weight":
             continue  # the first stage's embedding is the tied copy we export
@@ -208,9 +221,56 @@ def _gather_experts(name_map: Any, name: str, offset: int, tensors: dict[str, to
             yield global_name, gathered[local_name][ep]
 
 
+def stage_adapter_tensors(model: Any, *, spec: HFModelSpec, layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF adapter name, full tensor) of this PP stage's LoRA adapters on the stage's TP 0 / DP 0
+    rank (hf/adapters.py names and lays them out). Every rank of the stage must iterate (split tensors
+    are all-gathered over TP)."""
+    name_map = name_map_for(spec)
+    for chunk in (model if isinstance(model, (list, tuple)) else [model]):
+        offset = layer_offset(chunk)
+        for name, param in getattr(chunk, "module", chunk).named_parameters():
+            if not is_adapter_param(name):
+                continue
+            which = name.rsplit(".", 1)[1]
+            rule, hf_weights = _resolve(name_map, base_param(name), offset, spec, layout)
+            whole = (which == "lora_a") == is_column(rule)
+            shards = [param.detach()] if whole else _gather(param.detach(), rule, layout)
+            if owns(rule, layout):
+                yield from shards_to_adapter(which, rule, hf_weights, shards, spec=spec).items()
+
+
+def gather_adapter(model: Any, *, spec: HFModelSpec, layout: Layout) -> dict[str, torch.Tensor]:
+    """Every stage's adapter tensors (HF-named, host copies) on global rank 0; {} elsewhere. Collective.
+    Adapters are megabytes: one object gather, no buckets."""
+    local = {k: v.to(device="cpu", copy=True).contiguous() for k, v in stage_adapter_tensors(model, spec=spec, layout=layout)}
+    if layout.world_size == 1:
+        return local
+    parts: list[Any] = [None] * layout.world_size if layout.rank == 0 else None
+    dist.gather_object(local, parts, dst=0)
+    out: dict[str, torch.Tensor] = {}
+    for part in parts or []:
+        out.update(part)
+    return out
+
+
+def export_adapter(model: Any, out_dir: str, *, spec: HFModelSpec, layout: Layout, config: dict) -> None:
+    """Write the LoRA adapters as a PEFT folder (adapter_config.json + adapter_model.safetensors),
+    renamed into place when whole. Collective."""
+    tensors = gather_adapter(model, spec=spec, layout=layout)
+    if layout.rank == 0:
+        out_dir = os.path.abspath(out_dir)
+        partial = out_dir + ".partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        write_peft_adapter(partial, tensors, config)
+        replace_dir(partial, out_dir)
+    dist.barrier()
+
+
 def export_hf(model: Any, out_dir: str, *, spec: HFModelSpec, layout: Layout,
-              source_dir: str, dtype: Optional[torch.dtype] = None) -> None:
-    """Write a HF checkpoint (sharded by PP stage) readable by transformers and by `load_hf_weights`."""
+              source_dir: str, dtype: Optional[torch.dtype] = None, adapter_config: Optional[dict] = None) -> None:
+    """Write a HF checkpoint (sharded by PP stage) readable by transformers and by `load_hf_weights`.
+    With LoRA the weights are merged (W + s·B·A) and `adapter_config` (PEFT's) adds the adapter alone
+    as a PEFT folder `adapter/` inside it, renamed into place together."""
     from safetensors.torch import save_file
 
     out_dir = os.path.abspath(out_dir)
@@ -232,6 +292,10 @@ def export_hf(model: Any, out_dir: str, *, spec: HFModelSpec, layout: Layout,
     names = {k: file_name for k in tensors} if writer else {}
     gathered: list[Any] = [None] * layout.world_size
     dist.all_gather_object(gathered, names)
+    if adapter_config is not None:
+        adapter = gather_adapter(model, spec=spec, layout=layout)
+        if layout.rank == 0:
+            write_peft_adapter(os.path.join(partial, "adapter"), adapter, adapter_config)
 
     if layout.rank == 0:
         weight_map: dict[str, str] = {}

@@ -37,6 +37,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_flash.trainer.lora import adapter_checkpoint_keys
+
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
@@ -221,6 +223,8 @@ def _sharded_state(policy: Any, *, is_loading: bool) -> dict[str, Any]:
     if is_loading:
         _init_empty_adam_state(policy)
     state = {key: chunk.sharded_state_dict() for key, chunk in _model_chunks(policy)}
+    if _lora(policy) is not None:  # the frozen base is model.hf_path's: only the adapters are saved
+        state = {key: adapter_checkpoint_keys(chunk) for key, chunk in state.items()}
     state["optimizer"] = policy.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_OPTIM_METADATA)
     return state
 
@@ -299,6 +303,8 @@ def _save(policy: Any, save_dir: str, final: str, *, step: int, version: int, ro
     if layout.rank == 0:
         meta = {"step": step, "version": version, "format": "megatron-dist", "world_size": layout.world_size,
                 "tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size}
+        if _lora(policy) is not None:
+            meta["lora"] = _lora(policy)
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f)
         shutil.rmtree(final, ignore_errors=True)
@@ -327,6 +333,7 @@ def load(policy: Any, path: str) -> tuple[dict[str, Any], Optional[dict[str, Any
         meta = json.load(f)
     want = {"world_size": layout.world_size, "tp": layout.tp_size, "pp": layout.pp_size}
     have = {k: meta[k] for k in want}
+    _check_lora_meta(policy, meta, path)
     if meta.get("format") == "megatron-dist":
         from megatron.core import dist_checkpointing
 
@@ -334,7 +341,13 @@ def load(policy: Any, path: str) -> tuple[dict[str, Any], Optional[dict[str, Any
         _skip_step_on_reshardable_load(policy)
         loaded = dist_checkpointing.load(sharded, os.path.join(path, "trainer"))
         for key, chunk in _model_chunks(policy):
-            chunk.load_state_dict(loaded[key])
+            if _lora(policy) is None:
+                chunk.load_state_dict(loaded[key])
+                continue
+            missing, unexpected = chunk.load_state_dict(loaded[key], strict=False)
+            missing = [k for k in missing if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b")]
+            if missing or unexpected:  # the base's keys are expected missing, nothing else
+                raise ValueError(f"checkpoint {path}: adapter keys missing {missing[:3]}, unexpected {unexpected[:3]}")
         policy.optimizer.load_state_dict(loaded["optimizer"])
         _unshare_adam_steps(policy)
         same = have == want
@@ -361,6 +374,35 @@ def load(policy: Any, path: str) -> tuple[dict[str, Any], Optional[dict[str, Any
     policy.scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"])
     return meta, _load_rollout(path, layout.rank)
+
+
+def _lora(policy: Any) -> Optional[dict[str, Any]]:
+    """What a LoRA checkpoint records of its adapters and base (None without LoRA)."""
+    options = getattr(policy.settings, "lora", None)
+    if options is None or not options.enabled:
+        return None
+    from megatron_flash.hf.adapters import base_fingerprint
+
+    return {"rank": options.rank, "alpha": options.alpha, "targets": list(options.targets),
+            "base": os.path.abspath(policy.settings.hf_path), "base_fingerprint": base_fingerprint(policy.settings.hf_path)}
+
+
+def _check_lora_meta(policy: Any, meta: dict[str, Any], path: str) -> None:
+    """A LoRA checkpoint resumes only as LoRA, with the same adapters, on the base it was trained on."""
+    have, want = meta.get("lora"), _lora(policy)
+    if have is None and want is None:
+        return
+    if have is None or want is None:
+        raise ValueError(f"checkpoint {path} holds {'LoRA adapters' if have else 'full weights'}; this run trains "
+                         f"{'LoRA adapters' if want else 'full weights'} (model.lora.rank={want['rank'] if want else 0})")
+    for key in ("rank", "alpha", "targets"):
+        if have[key] != want[key]:
+            raise ValueError(f"checkpoint {path} holds adapters with {key}={have[key]!r}; this run has "
+                             f"model.lora.{key}={want[key]!r}")
+    if have["base_fingerprint"] != want["base_fingerprint"]:
+        raise ValueError(f"checkpoint {path} holds adapters of base {have['base']} (fingerprint "
+                         f"{have['base_fingerprint']}); this run's model.hf_path={want['base']} is another model "
+                         f"(fingerprint {want['base_fingerprint']})")
 
 
 def _load_rollout(path: str, rank: int) -> Optional[dict[str, Any]]:

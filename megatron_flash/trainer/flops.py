@@ -10,7 +10,8 @@ Counted per real token (padding and filler rows are not useful work), forward + 
   attention  6 · a·d · L(L+1) per layer and sample of L tokens, causal, over the sample's own tokens
              (forward: QKᵀ and PV, a·d·L(L+1)/2 multiply-adds each)
 
-h hidden, a query heads, g key/value groups, d head dim, f MLP width, V vocabulary, E experts, k
+With LoRA the base weights get no weight gradient: matmuls count 4 · N (forward and input gradient)
+plus 6 per adapter weight. h hidden, a query heads, g key/value groups, d head dim, f MLP width, V vocabulary, E experts, k
 routed per token, f_e expert width. Norms, RoPE, softmax and the loss are left out (they are O(h) or
 O(V) per token, not O(h²)). MFU = model FLOPs / (seconds · peak FLOP/s of one GPU · GPUs); the peak is
 the dense bf16 figure of the GPU's datasheet (PEAK_BF16), and none is claimed for a CPU or an unknown
@@ -19,7 +20,7 @@ GPU (mfu is then reported as null).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from megatron_flash.hf.spec import HFModelSpec
 
@@ -42,11 +43,13 @@ def matmul_weights_per_token(spec: HFModelSpec) -> int:
     return spec.num_layers * (attention + mlp) + h * spec.vocab_size
 
 
-def train_flops(spec: HFModelSpec, lengths: Sequence[int]) -> float:
-    """Model FLOPs of one forward + backward over samples of these lengths (tokens each)."""
+def train_flops(spec: HFModelSpec, lengths: Sequence[int], *, adapter_weights: int = 0) -> float:
+    """Model FLOPs of one forward + backward over samples of these lengths (tokens each); with
+    `adapter_weights` > 0 (LoRA: the adapters' weights one token multiplies through) the base is frozen."""
     n = matmul_weights_per_token(spec)
+    per_token = 4 * n + 6 * adapter_weights if adapter_weights else 6 * n
     ad = spec.num_attention_heads * spec.head_dim
-    return float(sum(6 * n * L + 6 * ad * L * (L + 1) * spec.num_layers for L in lengths))
+    return float(sum(per_token * L + 6 * ad * L * (L + 1) * spec.num_layers for L in lengths))
 
 
 def peak_flops(device_name: Optional[str]) -> Optional[float]:
@@ -60,7 +63,7 @@ def peak_flops(device_name: Optional[str]) -> Optional[float]:
 
 
 def step_speed(spec: HFModelSpec, lengths: Sequence[int], *, seconds: float, num_gpus: int,
-               device: "torch.device") -> dict[str, Optional[float]]:
+               device: "torch.device", adapter_weights: int = 0) -> dict[str, Optional[float]]:
     """A train step's speed metrics: mfu (null without a known peak), tokens_per_s_per_gpu,
     model_tflops_per_gpu, and peak_mem_gb: on CUDA the step's peak of allocated memory (the caller
     resets the peak at the start of the step), on a CPU the process's peak resident set so far."""
@@ -69,7 +72,7 @@ def step_speed(spec: HFModelSpec, lengths: Sequence[int], *, seconds: float, num
     import torch
 
     seconds = max(seconds, 1e-9)
-    flops = train_flops(spec, lengths)
+    flops = train_flops(spec, lengths, adapter_weights=adapter_weights)
     on_cuda = device.type == "cuda"
     peak = peak_flops(torch.cuda.get_device_name(device)) if on_cuda else None
     if on_cuda:
@@ -82,3 +85,21 @@ def step_speed(spec: HFModelSpec, lengths: Sequence[int], *, seconds: float, num
         "model_tflops_per_gpu": flops / seconds / num_gpus / 1e12,
         "peak_mem_gb": mem,
     }
+
+
+def optimizer_state_bytes(optimizer: Any) -> int:
+    """Bytes of optimizer state on this rank: every tensor of the inner torch optimizers' state (Adam's
+    moments and step) plus their float32 master copies where the model trains in 16 bits. With LoRA
+    only the adapters have any."""
+    import torch
+
+    total = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            continue
+        for state in inner.state.values():
+            total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
+        if getattr(opt, "config", None) is not None and (opt.config.bf16 or opt.config.fp16):
+            total += sum(p.numel() * p.element_size() for g in inner.param_groups for p in g["params"])
+    return total

@@ -17,7 +17,8 @@ same gradient. The trainer never looks at which loss it runs.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import os
 import time
 from functools import partial
 from typing import Any, Callable, Iterator, Optional
@@ -25,18 +26,24 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_flash.config.schema import ModelConfig, OptimizerConfig, ParallelConfig, TrainerConfig
 from megatron_flash.trainer.distributed import Layout, init_distributed
-from megatron_flash.hf.io import export_hf, load_hf_weights
+from megatron_flash.hf.adapters import peft_config
+from megatron_flash.hf.io import export_adapter, export_hf, load_hf_weights
 from megatron_flash.trainer.flash_attention import attention_backend
-from megatron_flash.trainer.flops import step_speed
+from megatron_flash.trainer.flops import optimizer_state_bytes, step_speed
 from megatron_flash.trainer.logprobs import vocab_parallel_logprobs
+from megatron_flash.trainer.lora import (
+    adapter_weights_per_token,
+    adapters_off,
+    apply_lora,
+    check_lora,
+    load_adapter,
+    require_input_grad,
+)
 from megatron_flash.trainer.micro_batches import BatchingOptions, Micro, build_micro_batches, scatter_rows
 from megatron_flash.trainer.model_builder import (
     DTYPES,
-    MoEOptions,
     moe_dispatcher,
-    ScaleOptions,
     build_gpt_stage,
     padded_vocab_size,
     transformer_config,
@@ -45,6 +52,7 @@ from megatron_flash.trainer.model_builder import (
     validate_layout,
 )
 from megatron_flash.hf.spec import HFModelSpec, read_hf_spec
+from megatron_flash.trainer.settings import PolicySettings
 from megatron_flash.trainer.weight_health import grad_state, weights_finite
 from megatron_flash.types import TrainBatch
 
@@ -78,60 +86,6 @@ def moe_padding_mask(model: Any, routable: torch.Tensor) -> torch.Tensor:
     return pad
 
 
-@dataclasses.dataclass
-class PolicySettings:
-    """What the policy needs from the run config; the optimizer section is the config's own."""
-
-    hf_path: str
-    tp_size: int = 1
-    pp_size: int = 1
-    dtype: str = "float32"
-    micro_batch_size: int = 4
-    pack_sequences: bool = True
-    max_tokens_per_micro_batch: int = 0
-    max_seq_len: int = 0  # 0 = no check
-    scale: ScaleOptions = dataclasses.field(default_factory=ScaleOptions)
-    moe: MoEOptions = dataclasses.field(default_factory=MoEOptions)
-    seed: int = 1234
-    optimizer_steps: int = 100  # of the whole run: the LR schedule's length
-    make_vocab_size_divisible_by: int = 128
-    use_transformer_engine: str = "auto"
-    attention_backend: str = "auto"  # local spec: flash | local | auto (trainer/flash_attention.py)
-    backend: str = "auto"
-    collective_timeout_s: float = 600.0
-    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-
-    def __post_init__(self) -> None:
-        self.optimizer.validate()
-        if self.max_tokens_per_micro_batch and not self.pack_sequences:
-            raise ValueError("trainer.max_tokens_per_micro_batch needs trainer.pack_sequences=true")
-
-    @classmethod
-    def from_sections(cls, *, model: "ModelConfig", parallel: "ParallelConfig", trainer: "TrainerConfig",
-                      optimizer: OptimizerConfig) -> "PolicySettings":
-        """From the four config sections the policy reads (never the whole tree)."""
-        t, p = trainer, parallel
-        return cls(
-            hf_path=model.hf_path, tp_size=p.tensor_model_parallel_size,
-            pp_size=p.pipeline_model_parallel_size, dtype=model.dtype,
-            micro_batch_size=t.micro_batch_size, pack_sequences=t.pack_sequences,
-            max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, max_seq_len=t.max_seq_len,
-            scale=ScaleOptions(sequence_parallel=p.sequence_parallel,
-                               virtual_pipeline_size=p.virtual_pipeline_model_parallel_size,
-                               context_parallel_size=p.context_parallel_size, recompute=t.recompute,
-                               recompute_method=t.recompute_method or "uniform",
-                               recompute_num_layers=t.recompute_num_layers or 1),
-            moe=MoEOptions(ep_size=p.expert_model_parallel_size, etp_size=p.expert_tensor_parallel_size,
-                           aux_loss_coeff=model.moe_aux_loss_coeff, token_dispatcher=model.moe_token_dispatcher,
-                           routing_replay=t.moe_routing_replay == "rollout"),
-            seed=t.seed, optimizer_steps=t.total_steps * t.num_epochs * t.num_mini_batches,
-            make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
-            use_transformer_engine=model.use_transformer_engine, attention_backend=model.attention_backend,
-            backend=p.backend,
-            collective_timeout_s=p.collective_timeout_s, optimizer=optimizer,
-        )
-
-
 class MegatronPolicy:
     def __init__(self, settings: PolicySettings) -> None:
         self.settings = s = settings
@@ -141,6 +95,7 @@ class MegatronPolicy:
                         sequence_parallel=s.scale.sequence_parallel,
                         recompute=s.scale.recompute)
         self.uses_te = use_te(s.use_transformer_engine)
+        check_lora(self.spec, s.lora, uses_te=self.uses_te)
         self.attention = attention_backend(s.attention_backend, uses_te=self.uses_te, dtype=s.dtype)
         check_scale_options(s.scale, optimizer=s.optimizer, uses_te=self.uses_te)
         self.layout: Layout = init_distributed(tp_size=s.tp_size, pp_size=s.pp_size, seed=s.seed, backend=s.backend,
@@ -181,11 +136,18 @@ class MegatronPolicy:
                                   use_transformer_engine=s.use_transformer_engine, attention=self.attention,
                                   vp_stage=v) for v in stages]
         load_hf_weights(chunks, s.hf_path, spec=self.spec, layout=self.layout, padded_vocab_size=self.padded_vocab)
+        if s.lora.enabled:  # base frozen, adapters fresh or from model.lora.adapter_path
+            apply_lora(chunks, s.lora, spec=self.spec, layout=self.layout,
+                       adapter=load_adapter(s.lora, s.hf_path) if s.lora.adapter_path else None)
+            require_input_grad(chunks)
         return chunks
 
     def _reference_model(self) -> list[torch.nn.Module]:
         """The frozen start checkpoint (π_ref for the KL penalty), same layout, built on first use.
-        Costs one more copy of this rank's weights; no gradients, no optimizer state."""
+        Costs one more copy of this rank's weights; no gradients, no optimizer state. With fresh LoRA
+        adapters the start checkpoint is the base: the policy's own chunks run with adapters off."""
+        if self.settings.lora.enabled and not self.settings.lora.adapter_path:
+            return self.chunks
         if self._reference is None:
             chunks = self._build_chunks()
             for chunk in chunks:
@@ -350,8 +312,9 @@ class MegatronPolicy:
                 return lp.new_zeros(()), torch.tensor(1, dtype=torch.int), extra
             return loss_func
 
-        store = self._run(micro, forward_only=True, loss_factory=factory,
-                          chunks=self._reference_model() if reference else None)
+        chunks = self._reference_model() if reference else None
+        with adapters_off(self.chunks) if reference and chunks is self.chunks else contextlib.nullcontext():
+            store = self._run(micro, forward_only=True, loss_factory=factory, chunks=chunks)
         shape = tuple(batch.tokens.shape)
         lp = self._gather(micro, store, "logprobs", shape)
         return lp, (self._gather(micro, store, "entropy", shape) if with_entropy else None)
@@ -432,13 +395,15 @@ class MegatronPolicy:
         metrics["lr"] = lr
         metrics["micro_batches"] = float(len(micro))
         metrics["tokens_computed"] = float(sum(m.tokens.numel() for m in micro))
+        metrics["optimizer_state_gb"] = optimizer_state_bytes(self.optimizer) / 1e9
         if self.router_stats is not None:
             metrics.update(self.router_stats.collect(len(micro), self.device))
             metrics.update(self.routing.collect(self.device))
         rows, width = batch.tokens.shape
         lengths = batch.lengths.tolist() if batch.lengths is not None else [width] * rows
         metrics.update(step_speed(self.spec, lengths, seconds=time.perf_counter() - started,  # host-synced above
-                                  num_gpus=self.layout.world_size, device=self.device))
+                                  num_gpus=self.layout.world_size, device=self.device,
+                                  adapter_weights=adapter_weights_per_token(self.spec, self.settings.lora)))
         return metrics
 
     def _check_routes(self, batch: TrainBatch, required: bool = True) -> TrainBatch:
@@ -488,4 +453,19 @@ class MegatronPolicy:
         return out
 
     def export_hf(self, out_dir: str) -> None:
-        export_hf(self.chunks, out_dir, spec=self.spec, layout=self.layout, source_dir=self.settings.hf_path)
+        """HF checkpoint of the current weights (merged with the adapters), plus with LoRA the
+        adapters alone in PEFT's format in `out_dir/adapter`."""
+        export_hf(self.chunks, out_dir, spec=self.spec, layout=self.layout, source_dir=self.settings.hf_path,
+                  adapter_config=self.peft_config())
+
+    def export_adapter(self, out_dir: str) -> None:
+        """The LoRA adapters alone, as a PEFT folder. Collective."""
+        export_adapter(self.chunks, out_dir, spec=self.spec, layout=self.layout, config=self.peft_config())
+
+    def peft_config(self) -> Optional[dict]:
+        """adapter_config.json of this policy's adapters (None without LoRA)."""
+        o = self.settings.lora
+        if not o.enabled:
+            return None
+        return peft_config(rank=o.rank, alpha=o.alpha, dropout=o.dropout, targets=o.targets,
+                           base_model=os.path.abspath(self.settings.hf_path))

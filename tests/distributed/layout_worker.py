@@ -25,6 +25,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_flash.config.schema import OptimizerConfig  # noqa: E402
 from megatron_flash.trainer.distributed import destroy_distributed  # noqa: E402
+from megatron_flash.trainer.lora import LoraOptions  # noqa: E402
 from megatron_flash.trainer.model_builder import MoEOptions, ScaleOptions  # noqa: E402
 from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings  # noqa: E402
 from megatron_flash.types import TrainBatch  # noqa: E402
@@ -96,11 +97,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--distill-topk", type=int, default=0, help="a teacher top-k reverse KL term (with --loss)")
     p.add_argument("--distill-coef", type=float, default=1.0)
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (base frozen)")
+    p.add_argument("--lora-targets", default="qkv,proj,fc1,fc2")
+    p.add_argument("--lora-b-std", type=float, default=0.0, help="B ~ N(0, std) instead of zeros (A then moves too)")
+    p.add_argument("--lora-adapter", default="", help="start from this PEFT adapter (model.lora.adapter_path)")
+    p.add_argument("--reimport", action="store_true",
+                   help="also build a policy from export0/adapter and export its adapter to reimport0/")
     return p
 
 
-def run_case(args: argparse.Namespace) -> None:
-    policy = MegatronPolicy(PolicySettings(
+def lora_options(args: argparse.Namespace, adapter_path: str = "") -> LoraOptions:
+    return LoraOptions(rank=args.lora_rank, targets=tuple(args.lora_targets.split(",")), b_std=args.lora_b_std,
+                       adapter_path=adapter_path or args.lora_adapter)
+
+
+def build(args: argparse.Namespace, adapter_path: str = "") -> MegatronPolicy:
+    return MegatronPolicy(PolicySettings(
         hf_path=args.hf_dir, tp_size=args.tp, pp_size=args.pp, micro_batch_size=args.micro_batch_size,
         pack_sequences=not args.no_pack, max_tokens_per_micro_batch=args.max_tokens,
         scale=ScaleOptions(sequence_parallel=args.sp, virtual_pipeline_size=args.vpp, recompute=args.recompute,
@@ -109,10 +121,19 @@ def run_case(args: argparse.Namespace) -> None:
         moe=MoEOptions(ep_size=args.ep, aux_loss_coeff=args.moe_aux),
         optimizer=OptimizerConfig(name=args.optimizer, lr=args.lr, clip_grad=1e6,
                                   use_distributed_optimizer=args.distributed_optimizer),
+        lora=lora_options(args, adapter_path),
     ))
+
+
+def run_case(args: argparse.Namespace) -> None:
+    policy = build(args)
     batch = fixed_batch(policy.spec.vocab_size)
     logprobs, _ = policy.compute_logprobs(batch)
     policy.export_hf(os.path.join(args.out, "export0"))
+    if args.reimport:  # export → import → export of the adapters
+        again = build(args, adapter_path=os.path.join(args.out, "export0", "adapter"))
+        again.export_adapter(os.path.join(args.out, "reimport0"))
+        del again
     loss_fn = weighted_nll
     if args.loss:
         from megatron_flash.losses import get_loss

@@ -28,7 +28,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import hf_weights, run_tool
+from tests.conftest import hf_weights
 from tests.distributed.grouped_cases import run_layout_cases
 
 LENGTHS = [6, 16, 7, 11, 8, 13, 9, 12]  # layout_worker.fixed_batch, written out independently
@@ -46,13 +46,6 @@ CASES = {
     "vpp2": ("four", 2, ["--pp", "2", "--vpp", "2"] + BUDGET, "pp1"),
     "vpp2_padded": ("four", 2, ["--pp", "2", "--vpp", "2", "--no-pack"], "pp1"),
 }
-
-
-@pytest.fixture(scope="module")
-def four_layer_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = str(tmp_path_factory.mktemp("four_layers") / "llama")
-    run_tool(["tools/make_tiny_model.py", "--out", path, "--arch", "llama", "--num-layers", "4", "--seed", "3"])
-    return path
 
 
 @pytest.fixture(scope="module")

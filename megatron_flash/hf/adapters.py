@@ -187,10 +187,11 @@ def write_peft_adapter(out_dir: str, tensors: Mapping[str, torch.Tensor], config
         json.dump(config, f, indent=2)
 
 
-def base_fingerprint(model_dir: str) -> str:
-    """A digest of a HF checkpoint that changes when its config or any tensor's name, shape, dtype or
-    file layout does (config.json, each safetensors header and file size); cheap: no tensor is read.
-    Adapters are only valid on the base they were trained on."""
+def base_fingerprint(model_dir: str, *, samples: int = 16, sample_bytes: int = 1 << 16) -> str:
+    """A digest of a HF checkpoint: config.json, each safetensors header (names, shapes, dtypes,
+    offsets) and `samples` evenly spaced 64 KiB windows of its tensor bytes. Other weights of the same
+    shapes change it too, and it reads ~1 MiB per file. Adapters are only valid on the base they were
+    trained on."""
     digest = hashlib.sha256()
     with open(os.path.join(model_dir, "config.json"), "rb") as f:
         digest.update(f.read())
@@ -198,9 +199,14 @@ def base_fingerprint(model_dir: str) -> str:
         if not name.endswith(".safetensors"):
             continue
         path = os.path.join(model_dir, name)
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
-            digest.update(name.encode() + f.read(min(n, 100 << 20)) + str(os.path.getsize(path)).encode())
+            digest.update(name.encode() + f.read(min(n, 100 << 20)) + str(size).encode())
+            start = 8 + n
+            for i in range(samples):
+                f.seek(start + (size - start) * i // samples)
+                digest.update(f.read(sample_bytes))
     return digest.hexdigest()[:16]
 
 

@@ -132,11 +132,28 @@ def _adapter_class(base: type, column: bool) -> type:
 
         def sharded_state_dict(self, prefix: str = "", sharded_offsets: Any = (), metadata: Any = None) -> Any:
             state_dict = self.state_dict(prefix="", keep_vars=True)
-            return make_sharded_tensors_for_checkpoint(state_dict, prefix, axes, sharded_offsets, tp_group=self.tp_group,
-                                                       dp_cp_group=metadata["dp_cp_group"])
+            out = make_sharded_tensors_for_checkpoint(state_dict, prefix, axes, sharded_offsets, tp_group=self.tp_group,
+                                                      dp_cp_group=metadata["dp_cp_group"])
+            if self.lora_gate_up:  # B's rows are [gate_r; up_r] per rank, like W's: the MLP's factory for W
+                out[f"{prefix}lora_b"] = _swiglu_factory(out[f"{prefix}lora_b"], sharded_offsets, metadata,
+                                                         self.tp_group)
+            return out
 
     Adapted.__name__ = Adapted.__qualname__ = f"LoRA{base.__name__}"
     return Adapted
+
+
+def _swiglu_factory(sharded: Any, sharded_offsets: Any, metadata: Any, tp_group: Any) -> Any:
+    """Megatron's checkpoint factory for a SwiGLU fc1 tensor (each TP shard is two slices of the full
+    [gate; up]); its keyword arguments differ between megatron-core versions."""
+    import inspect
+
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    params = inspect.signature(apply_swiglu_sharded_factory).parameters
+    kwargs = {k: v for k, v in (("tp_group", tp_group), ("dp_group", metadata["dp_cp_group"])) if k in params}
+    return apply_swiglu_sharded_factory(sharded, sharded_offsets, (metadata or {}).get("singleton_local_shards", False),
+                                        **kwargs)
 
 
 def _sites(chunks: list[Any], targets: tuple[str, ...]) -> Iterator[tuple[int, str, Any]]:
@@ -188,6 +205,7 @@ def apply_lora(chunks: list[Any], options: LoraOptions, *, spec: HFModelSpec, la
                 param.sequence_parallel = True  # partial gradient per sequence chunk: summed over TP
             linear.register_parameter(which, param)
             count += param.numel()
+        linear.lora_gate_up = rule.layout == "gate_up"
         linear.lora_scaling = options.scaling
         linear.lora_dropout = options.dropout
         linear.lora_active = True

@@ -3,6 +3,10 @@ run resumes under TP2, PP2 and DP2 (distributed optimizer), and the next Adam st
 uninterrupted run's — loss and every exported weight within 1e-5 (fp32, gloo). Adam (lr 1e-2, warm-up
 schedule) makes the comparison sensitive to the optimizer moments and the LR schedule, not only the
 weights: a resume that lost them would move the weights differently by ~lr.
+
+LoRA (rank 4, base frozen): the checkpoint holds only the adapters and their Adam state and names its
+base; it resumes under TP2, PP2 and DP2 alike, and the step after it moves A and B as the uninterrupted
+run does (fresh B = 0, so the first step moved only B: the resumed step is the first to move A).
 """
 
 from __future__ import annotations
@@ -16,8 +20,12 @@ from safetensors.torch import load_file
 
 from tests.distributed.grouped_cases import launch_grouped
 
-CASES = {"tp2": (["--tp", "2"], ""), "pp2": (["--pp", "2"], ""),
-         "dp2_distributed_optimizer": (["--distributed-optimizer"], "--distributed-optimizer")}
+CASES = {"tp2": (["--tp", "2"], "plain"), "pp2": (["--pp", "2"], "plain"),
+         "dp2_distributed_optimizer": (["--distributed-optimizer"], "distributed"),
+         "lora_tp2": (["--tp", "2", "--lora-rank", "4"], "lora"), "lora_pp2": (["--pp", "2", "--lora-rank", "4"], "lora"),
+         "lora_dp2_distributed_optimizer": (["--distributed-optimizer", "--lora-rank", "4"], "lora_distributed")}
+KINDS = {"plain": [], "distributed": ["--distributed-optimizer"], "lora": ["--lora-rank", "4"],
+         "lora_distributed": ["--distributed-optimizer", "--lora-rank", "4"]}
 WORKER = "tests/distributed/ckpt_layout_worker.py"
 
 
@@ -33,11 +41,10 @@ def weights(path: str) -> dict[str, torch.Tensor]:
 def saved(tiny_models, tmp_path_factory) -> dict[str, str]:
     """One uninterrupted TP1 run per optimizer kind: step A, checkpoint, step B (one launch for both)."""
     root = str(tmp_path_factory.mktemp("saved"))
-    kinds = {"plain": [], "distributed": ["--distributed-optimizer"]}
     launch_grouped(WORKER, {kind: (1, ["--hf-dir", tiny_models["llama"], "--mode", "save", "--ckpt-dir",
                                        os.path.join(root, kind, "ckpt"), "--out", os.path.join(root, kind, "out"),
-                                       *flag]) for kind, flag in kinds.items()}, root)
-    return {kind: os.path.join(root, kind) for kind in kinds}
+                                       *flag]) for kind, flag in KINDS.items()}, root)
+    return {kind: os.path.join(root, kind) for kind in KINDS}
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +52,8 @@ def resumed(tiny_models, saved, tmp_path_factory) -> dict[str, str]:
     """Each case's resume in its own layout, every case in one 2-process launch → case → its --out."""
     root = str(tmp_path_factory.mktemp("resumed"))
     cases = {}
-    for case, (extra, dist_flag) in CASES.items():
-        ckpt = os.path.join(saved["distributed" if dist_flag else "plain"], "ckpt")
+    for case, (extra, kind) in CASES.items():
+        ckpt = os.path.join(saved[kind], "ckpt")
         cases[case] = (2, ["--hf-dir", tiny_models["llama"], "--mode", "resume", "--ckpt-dir", ckpt,
                            "--out", os.path.join(root, case), *extra])
     launch_grouped(WORKER, cases, root)
@@ -55,7 +62,7 @@ def resumed(tiny_models, saved, tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_resume_under_another_layout_continues_the_same_run(saved, resumed, case: str) -> None:
-    root = saved["distributed" if CASES[case][1] else "plain"]
+    root = saved[CASES[case][1]]
     out = resumed[case]
     with open(os.path.join(root, "out", "metrics.json")) as f:
         ref = json.load(f)
@@ -71,3 +78,42 @@ def test_resume_under_another_layout_continues_the_same_run(saved, resumed, case
     moved = max((after[k] - before[k]).abs().max().item() for k in after)
     assert moved > 1e-3  # step B really changed the weights: the comparison below is not vacuous
     assert max((resumed_weights[k] - after[k]).abs().max().item() for k in after) <= 1e-5
+
+
+def test_lora_checkpoint_holds_only_adapters_and_names_its_base(saved, tiny_models) -> None:
+    from megatron_flash.hf.adapters import base_fingerprint
+    from megatron_flash.trainer.checkpoint import latest_checkpoint
+
+    def size(path: str) -> int:
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+    full, lora = (latest_checkpoint(os.path.join(saved[k], "ckpt")) for k in ("plain", "lora"))
+    with open(os.path.join(lora, "meta.json")) as f:
+        meta = json.load(f)["lora"]
+    assert meta["base"] == os.path.abspath(tiny_models["llama"])
+    assert meta["base_fingerprint"] == base_fingerprint(tiny_models["llama"])
+    assert (meta["rank"], meta["targets"]) == (4, ["qkv", "proj", "fc1", "fc2"])
+    # Adam state and weights of 6,656 adapter parameters against 97,088: well under a fifth of the bytes.
+    assert size(os.path.join(lora, "trainer")) * 5 < size(os.path.join(full, "trainer"))
+
+
+def test_checkpoint_of_another_kind_or_base_is_refused(saved, seed1_model, tiny_models) -> None:
+    """A LoRA checkpoint on a run without LoRA, and on another base, stops with one line naming both."""
+    from tests.conftest import run_tool
+
+    code = ("import sys; sys.path.insert(0, '.')\n"
+            "from megatron_flash.trainer import checkpoint as c\n"
+            "from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings\n"
+            "from megatron_flash.trainer.lora import LoraOptions\n"
+            "path = c.latest_checkpoint(sys.argv[1])\n"
+            "for hf, rank in ((sys.argv[2], 0), (sys.argv[3], 4)):\n"
+            "    try:\n"
+            "        c.load(MegatronPolicy(PolicySettings(hf_path=hf, lora=LoraOptions(rank=rank))), path)\n"
+            "    except ValueError as e:\n"
+            "        print('REFUSED', e)\n"
+            "    from megatron_flash.trainer.distributed import destroy_distributed; destroy_distributed()\n")
+    out = run_tool(["-c", code, os.path.join(saved["lora"], "ckpt"), tiny_models["llama"], seed1_model]).stdout
+    lines = [line for line in out.splitlines() if line.startswith("REFUSED")]
+    assert len(lines) == 2, out
+    assert "holds LoRA adapters; this run trains full weights" in lines[0]
+    assert "is another model" in lines[1] and os.path.abspath(seed1_model) in lines[1]

@@ -84,7 +84,7 @@ def build_rollout(cfg: "RunConfig", *, tokenizer: Any, staleness: "StalenessMana
                              tokenizer=tokenizer, dump_groups=dump_groups,
                              group_runner_factory=runner_factory,
                              return_routed_experts=cfg.trainer.moe_routing_replay == "rollout",
-                             distill=cfg.distill)
+                             distill=cfg.distill, lora_adapters=lora_serving(cfg))
     evaluation = None
     if cfg.eval.datasets:  # loaded (and checked) before any engine starts
         from megatron_flash.rollout.evaluation import PeriodicEvaluation, load_eval_sets
@@ -107,9 +107,27 @@ def build_bridge(cfg: "RunConfig", policy: Any, urls: list[str], *, run_dir: str
     bridge = WeightBridge.from_config(
         policy, urls, cfg.weight_sync, pause_mode=cfg.rollout.pause_mode, api_key=cfg.engines.api_key,
         disk_dir=default_disk_dir(run_dir), engine_tp_size=cfg.engines.tp_size,
-        master_address=sender_address(urls), colocate=cfg.engines.colocate)
+        master_address=sender_address(urls), colocate=cfg.engines.colocate, lora=cfg.lora_sync_mode())
     bridge.executor.on_bucket = sync_cut_hook(bridge)  # None unless MF_FAULT_CUT_SYNC_FILE is set (benchmarks)
     return bridge
+
+
+def lora_serving(cfg: "RunConfig") -> Optional[dict]:
+    """What the engines must serve when LoRA adapters are pushed by name (weight_sync.lora=adapter):
+    adapters up to model.lora.rank on the HF modules of model.lora.targets; None otherwise."""
+    if cfg.lora_sync_mode() != "adapter":
+        return None
+    from megatron_flash.hf.adapters import HF_TARGET_MODULES
+
+    return {"rank": cfg.model.lora.rank,
+            "target_modules": sorted({m for t in cfg.model.lora.targets for m in HF_TARGET_MODULES[t]})}
+
+
+def first_sync_needed(cfg: "RunConfig") -> bool:
+    """Engines start from model.hf_path; a fresh run's version 0 is something else with a start adapter
+    (model.lora.adapter_path), and adapters pushed by name are named from version 0 on (a request
+    naming none would get the base)."""
+    return bool(cfg.model.lora.adapter_path) or cfg.lora_sync_mode() == "adapter"
 
 
 def sender_address(urls: list[str]) -> str:

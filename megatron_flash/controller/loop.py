@@ -211,8 +211,10 @@ class Controller:
             raise urls
         if self.mode.syncs_weights:
             self.bridge = assembly.build_bridge(self.cfg, self.policy, urls, run_dir=self.run_dir)
-            if self.version > 0:  # resumed: engines start from model.hf_path, the trainer is at V
+            if self.version > 0 or assembly.first_sync_needed(self.cfg):  # engines start from model.hf_path
                 self.bridge.sync(self.version)
+                if self.rank == 0:
+                    self.runtime.synced_version = self.version
         if self.rank == 0:  # engines hold the trainer's weights: rollout may start
             restore = self._resume
             if restore is not None:

@@ -9,13 +9,26 @@ import uuid
 from typing import Any, List, Mapping, Optional, Sequence
 
 from megatron_flash.engines.client_base import EngineTransport, MalformedReply, is_int
-from megatron_flash.engines.client_replies import GenerateResult, parse_generate_reply
+from megatron_flash.engines.client_replies import GenerateResult, label_by_adapter, parse_generate_reply
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class GenerationCalls(EngineTransport):
-    """/generate, /abort_request, /pause_generation, /continue_generation and /flush_cache."""
+    """/generate, /abort_request, /pause_generation, /continue_generation and /flush_cache.
+
+    ``lora_name``: with LoRA adapters pushed by name, every generation and scoring request names this
+    adapter (SGLang's `lora_path`); None = the engine's own weights. Who pushes sets it."""
+
+    lora_name: Optional[str] = None
+
+    def _named(self, body: dict) -> dict:
+        if self.lora_name is not None:
+            body["lora_path"] = self.lora_name
+        return body
+
+    def _labelled(self, result: GenerateResult, lora_name: Optional[str]) -> GenerateResult:
+        return result if lora_name is None else label_by_adapter(result, lora_name)
 
     async def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *,
                        return_logprob: bool = True, rid: Optional[str] = None,
@@ -24,14 +37,15 @@ class GenerationCalls(EngineTransport):
         ``return_routed_experts`` asks a MoE engine for its routes (SGLang needs
         ``--enable-return-routed-experts``; the field is only sent when asked)."""
         rid = rid or uuid.uuid4().hex
-        body = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
-                "return_logprob": return_logprob, "rid": rid}
+        body = self._named({"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
+                            "return_logprob": return_logprob, "rid": rid})
         if return_routed_experts:
             body["return_routed_experts"] = True
         reply = await self._call("POST", "/generate", body=body,
                                  timeout_s=timeout_s or self.request_timeout_s)
-        return parse_generate_reply(reply, url=self.url, rid=rid, input_len=len(body["input_ids"]),
-                                    return_logprob=return_logprob, return_routed_experts=return_routed_experts)
+        return self._labelled(parse_generate_reply(reply, url=self.url, rid=rid, input_len=len(body["input_ids"]),
+                                                   return_logprob=return_logprob,
+                                                   return_routed_experts=return_routed_experts), body.get("lora_path"))
 
     async def score(self, batch_input_ids: Sequence[Sequence[int]], *, logprob_start_len: int,
                     top_logprobs_num: int = 0, timeout_s: Optional[float] = None) -> Any:
@@ -39,9 +53,9 @@ class GenerationCalls(EngineTransport):
         `max_new_tokens` 1 from `logprob_start_len` (and with `top_logprobs_num` > 0 the k most likely
         tokens at each position). Returns SGLang's reply as is (a list, one item per sequence, each with
         `meta_info.input_token_logprobs` and `input_top_logprobs`); the caller checks it."""
-        body = {"input_ids": [list(ids) for ids in batch_input_ids], "return_logprob": True,
-                "logprob_start_len": logprob_start_len,
-                "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}}
+        body = self._named({"input_ids": [list(ids) for ids in batch_input_ids], "return_logprob": True,
+                            "logprob_start_len": logprob_start_len,
+                            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}})
         if top_logprobs_num:
             body["top_logprobs_num"] = top_logprobs_num
         return await self._call("POST", "/generate", body=body, timeout_s=timeout_s or self.request_timeout_s)
@@ -67,8 +81,8 @@ class GenerationCalls(EngineTransport):
             return [await self.generate(input_ids, params, return_logprob=return_logprob, rid=rid,
                                         timeout_s=timeout_s, return_routed_experts=return_routed_experts)]
         rid = rid or uuid.uuid4().hex
-        body = {"input_ids": list(input_ids), "sampling_params": {**sampling_params, "n": n},
-                "return_logprob": return_logprob, "rid": rid}
+        body = self._named({"input_ids": list(input_ids), "sampling_params": {**sampling_params, "n": n},
+                            "return_logprob": return_logprob, "rid": rid})
         if return_routed_experts:
             body["return_routed_experts"] = True
         reply = await self._call("POST", "/generate", body=body, timeout_s=timeout_s or self.request_timeout_s)
@@ -76,8 +90,9 @@ class GenerationCalls(EngineTransport):
             got = f"a list of {len(reply)}" if isinstance(reply, list) else f"a {type(reply).__name__}"
             raise MalformedReply(self.url, "/generate", "<body>", f"reply is {got}, expected a JSON list of "
                                  f"n={n} objects (asked with sampling_params.n={n})")
-        return [parse_generate_reply(r, url=self.url, rid=f"{rid}_{i}", input_len=len(body["input_ids"]),
-                                     return_logprob=return_logprob, return_routed_experts=return_routed_experts)
+        return [self._labelled(parse_generate_reply(r, url=self.url, rid=f"{rid}_{i}", input_len=len(body["input_ids"]),
+                                                    return_logprob=return_logprob,
+                                                    return_routed_experts=return_routed_experts), body.get("lora_path"))
                 for i, r in enumerate(reply)]
 
     async def abort(self, rid: str, *, timeout_s: Optional[float] = None) -> None:

@@ -77,6 +77,34 @@ class GenerateResult:
         return self.weight_version
 
 
+LORA_NAME_PREFIX = "policy-v"
+"""Adapter names are versioned: the policy's version v is pushed as adapter `policy-v{v}`."""
+
+
+def lora_adapter_name(version: Any) -> str:
+    return f"{LORA_NAME_PREFIX}{version}"
+
+
+def lora_adapter_version(name: str) -> Optional[int]:
+    """The policy version an adapter name carries (None for a name that is not one of ours)."""
+    if not isinstance(name, str) or not name.startswith(LORA_NAME_PREFIX):
+        return None
+    return version_number(name[len(LORA_NAME_PREFIX):])
+
+
+def label_by_adapter(result: "GenerateResult", lora_name: str) -> "GenerateResult":
+    """A reply to a request that named adapter `lora_name`. An engine that reports the adapter it ran
+    (the local engine echoes `meta_info.lora_path`: it serves one adapter, merged, and continues older
+    requests on the newer one) is believed as usual, by its weight_version; one that does not (SGLang)
+    ran every token on the adapter the request named, whatever its global weight_version says, so
+    that names the version."""
+    if "lora_path" in result.meta_info:
+        return result
+    result.weight_version = str(lora_adapter_version(lora_name))
+    result.weight_version_spans = None
+    return result
+
+
 INITIAL_WEIGHT_VERSION = "default"
 """SGLang's label of the weights an engine started with (--weight-version's default)."""
 

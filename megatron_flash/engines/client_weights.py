@@ -160,3 +160,26 @@ class WeightUpdateCalls(EngineTransport):
         body = {"model_path": model_path, "load_format": load_format, "weight_version": weight_version,
                 "flush_cache": flush_cache}
         return await self._update("/update_weights_from_disk", body, timeout_s, needs_session=False)
+
+    # -- LoRA adapters (SGLang's dynamic LoRA API; it needs --enable-lora) ----------------------
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, *,
+                                timeout_s: Optional[float] = None) -> Dict[str, Any]:
+        """Load a PEFT adapter folder under `lora_name`; requests then name it (`lora_path`)."""
+        return await self._update("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path},
+                                  timeout_s, needs_session=False)
+
+    async def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: Dict[str, Any],
+                                             serialized_named_tensors: Sequence[Union[str, bytes]], *,
+                                             load_format: Optional[str] = None,
+                                             timeout_s: Optional[float] = None) -> Dict[str, Any]:
+        """Load an adapter from tensors (one serialized payload per engine TP rank, as for
+        update_weights_from_tensor) with its PEFT adapter_config as `config_dict`."""
+        payload = [s if isinstance(s, str) else base64.b64encode(s).decode("ascii")
+                   for s in serialized_named_tensors]
+        body = {"lora_name": lora_name, "config_dict": dict(config_dict), "serialized_named_tensors": payload,
+                "load_format": load_format}
+        return await self._update("/load_lora_adapter_from_tensors", body, timeout_s, needs_session=False)
+
+    async def unload_lora_adapter(self, lora_name: str, *, timeout_s: Optional[float] = None) -> Dict[str, Any]:
+        """SGLang stops admitting requests that name it at once and unloads it when those running end."""
+        return await self._update("/unload_lora_adapter", {"lora_name": lora_name}, timeout_s, needs_session=False)

@@ -59,9 +59,14 @@ def parse_generate(engine: Any, body: dict) -> list[dict]:
     """One dict per prompt: rid, prompt ids, sampling spec, logprob flags."""
     for key, neutral in (("token_ids_logprob", (None,)),
                          ("input_embeds", (None,)),
-                         ("image_data", (None,)), ("lora_path", (None,))):
+                         ("image_data", (None,))):
         if body.get(key) not in neutral:
             raise ValueError(f"{key} is not supported by the local engine")
+    names = body.get("lora_path")
+    names = names if isinstance(names, list) else [names]
+    if len(set(map(str, names))) > 1:
+        raise ValueError("lora_path must name one adapter for every prompt of a request on the local engine")
+    adapter = engine.adapter_for_request(names[0] if names else None)
     ids, text = body.get("input_ids"), body.get("text")
     if ids is None and text is None:
         raise ValueError("Either text or input_ids should be provided.")
@@ -126,7 +131,7 @@ def parse_generate(engine: Any, body: dict) -> list[dict]:
                       "return_logprob": bool(logprob[i]), "return_text_in_logprobs": bool(text_lp),
                       "logprob_start_len": _logprob_start_len(body, i, len(prompts[i])),
                       "top_logprobs_num": _top_logprobs_num(top[i], spec),
-                      "return_routed_experts": bool(routed[i])})
+                      "return_routed_experts": bool(routed[i]), "lora": adapter})
     return items if not single or num_samples > 1 else items[:1]
 
 async def input_logprobs(engine: Any, item: dict) -> dict | None:
@@ -156,11 +161,18 @@ async def run_one(engine: Any, item: dict) -> dict:
                              return_routed_experts=item["return_routed_experts"])
     try:
         await req.done.wait()
-        return with_inputs(engine.snapshot(req, return_logprob=item["return_logprob"],
-                                           return_text_in_logprobs=item["return_text_in_logprobs"],
-                                           return_routed_experts=item["return_routed_experts"]), inputs)
+        return with_adapter(engine, item, with_inputs(engine.snapshot(
+            req, return_logprob=item["return_logprob"], return_text_in_logprobs=item["return_text_in_logprobs"],
+            return_routed_experts=item["return_routed_experts"]), inputs))
     finally:
         engine.release(req)
+
+
+def with_adapter(engine: Any, item: dict, out: dict) -> dict:
+    """A request that named a LoRA adapter learns which one it ran on (engines/local_lora.py)."""
+    if item.get("lora") is not None:
+        out["meta_info"]["lora_path"] = engine._lora_current or item["lora"]
+    return out
 
 async def stream_one(engine: Any, item: dict) -> AsyncIterator[bytes]:
     try:
@@ -178,9 +190,9 @@ async def stream_one(engine: Any, item: dict) -> AsyncIterator[bytes]:
         while True:
             await req.progress.wait()
             req.progress.clear()
-            out = with_inputs(engine.snapshot(req, return_logprob=item["return_logprob"],
-                                              return_text_in_logprobs=item["return_text_in_logprobs"],
-                                              return_routed_experts=item["return_routed_experts"]), inputs)
+            out = with_adapter(engine, item, with_inputs(engine.snapshot(
+                req, return_logprob=item["return_logprob"], return_text_in_logprobs=item["return_text_in_logprobs"],
+                return_routed_experts=item["return_routed_experts"]), inputs))
             if len(out["output_ids"]) != sent or req.finish is not None:
                 sent = len(out["output_ids"])
                 yield b"data: " + json.dumps(out).encode() + b"\n\n"

@@ -191,10 +191,17 @@ class EngineLauncher:
 
     @classmethod
     def from_config(cls, config: Any, *, model_path: str, run_dir: str, return_routed_experts: bool = False,
-                    **kwargs: Any) -> "EngineLauncher":
+                    lora_adapters: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> "EngineLauncher":
         """From an ``EngineConfig``; kwargs (command, env, first_gpu, stop_grace_s) pass through.
-        ``return_routed_experts``: the run replays MoE routes, so SGLang must record them."""
+        ``return_routed_experts``: the run replays MoE routes, so SGLang must record them.
+        ``lora_adapters`` ({"rank": r, "target_modules": [...]}): LoRA adapters will be pushed by name,
+        so the engines serve them (SGLang: up to this rank, on these modules)."""
         server_args = dict(config.server_args)
+        if lora_adapters:
+            server_args.setdefault("enable-lora", True)
+            if config.backend == "sglang":
+                server_args.setdefault("max-lora-rank", lora_adapters["rank"])
+                server_args.setdefault("lora-target-modules", list(lora_adapters["target_modules"]))
         if config.colocate and config.backend == "sglang":
             server_args.setdefault("enable-memory-saver", True)  # else releasing memory frees nothing
         if return_routed_experts and config.backend == "sglang":

@@ -33,6 +33,7 @@ import torch
 
 from megatron_flash.engines.local_engine_batching import CBDecoder, DecodingHooks, PauseHolder
 from megatron_flash.engines.local_engine_updates import EngineUpdates
+from megatron_flash.engines.local_lora import EngineAdapters
 from megatron_flash.engines.cuda_handles import device_uuid
 from megatron_flash.engines.routed_experts import RouteRecorder, encoded_routes
 from megatron_flash.engines.shared_weights import SharedBufferMaps
@@ -93,7 +94,7 @@ def _version_spans(events: list[tuple[str, int]], current: str, num_tokens: int)
     return [{"version": v, "start": s, "end": min(e, num_tokens)} for v, s, e in visible]
 
 
-class LocalEngine(EngineUpdates, DecodingHooks):
+class LocalEngine(EngineUpdates, EngineAdapters, DecodingHooks):
     """SGLang-contract generation engine on transformers continuous batching (any torch device and
     dtype: CPU fp32 by default; `device="cuda", dtype="bfloat16"` on a GPU).
 
@@ -104,7 +105,7 @@ class LocalEngine(EngineUpdates, DecodingHooks):
                  max_batch_tokens: int | None = None, max_running_requests: int | None = None,
                  context_length: int | None = None, max_prefill_tokens: int | None = None,
                  cuda_graphs: bool = True, seed: int | None = None, device: str = "cpu",
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", enable_lora: bool = False) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         if not os.path.isfile(os.path.join(model_path, "config.json")):
@@ -155,6 +156,7 @@ class LocalEngine(EngineUpdates, DecodingHooks):
         self.num_blocks, self.max_batch_tokens = num_blocks, max_batch_tokens
         self.weight_version = "default"
         self.load_format = "auto"
+        self._init_lora(enable_lora)
 
         self._lock = threading.Lock()  # guards _by_cb_id, the token lists of requests and _kv_reserved
         # Admission control: transformers' batcher fails requests (and may wedge) when the running requests

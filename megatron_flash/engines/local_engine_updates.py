@@ -246,6 +246,7 @@ class EngineUpdates:
         with torch.no_grad():
             for target, (_, tensor) in zip(targets, named):
                 target.copy_(tensor.to(dtype=target.dtype, device=target.device))
+        self.forget_base()  # new base weights: a merged LoRA adapter is gone with the old ones
         # A sender reuses its CUDA buffers once this update is answered: every copy must be done by then.
         for device in {t.device for _, t in named if t.is_cuda} | {t.device for t in targets if t.is_cuda}:
             torch.cuda.synchronize(device)
@@ -264,6 +265,7 @@ class EngineUpdates:
         pieces = self._shared_buffers.pieces(body)
         params = self.model.state_dict(keep_vars=True)
         shared_weights.copy_pieces(pieces, lambda name: checkpoint_param(params, name))
+        self.forget_base()
         return "Success"
 
     def load_from_tensor_payload(self, payload: bytes, load_format: str | None) -> str:

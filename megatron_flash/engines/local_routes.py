@@ -262,3 +262,62 @@ async def update_weights_from_distributed(request: Request) -> Any:
     kwargs = {"names": list(body["names"]), "dtypes": list(body["dtypes"]), "shapes": list(body["shapes"]),
               "group_name": body.get("group_name", "weight_update_group"), "load_format": body.get("load_format")}
     return outcome(*await weight_update(engine, body, lambda: engine.receive_broadcast(**kwargs)))
+
+
+# ---------------------------------------------------------------- LoRA adapters (engines/local_lora.py)
+def lora_outcome(engine: Any, success: bool, message: str) -> JSONResponse:
+    # SGLang's LoRAUpdateOutput shape
+    return JSONResponse({"success": success, "error_message": "" if success else message, "message": message,
+                         "loaded_adapters": engine.loaded_adapters()}, status_code=200 if success else 400)
+
+
+async def lora_update(engine: Any, name: Any, load: Any) -> JSONResponse:
+    try:
+        engine.check_new_adapter(name)
+    except ValueError as error:
+        return lora_outcome(engine, False, str(error))
+    return lora_outcome(engine, *await engine.run_weight_update(load, weight_version=None, flush_cache=False))
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> Any:
+    engine, body = engine_of(request), await body_of(request, "lora_name", "lora_path")
+    path = str(body["lora_path"])
+
+    def load() -> str:
+        from megatron_flash.engines.weight_payloads import read_peft_folder
+
+        config, named = read_peft_folder(path)
+        return engine.merge_adapter(str(body["lora_name"]), config, named)
+    return await lora_update(engine, body["lora_name"], load)
+
+
+@router.post("/load_lora_adapter_from_tensors")
+async def load_lora_adapter_from_tensors(request: Request) -> Any:
+    engine = engine_of(request)
+    body = await body_of(request, "lora_name", "config_dict", "serialized_named_tensors")
+    payloads, config = body["serialized_named_tensors"], body["config_dict"]
+    if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
+        return bad_request("serialized_named_tensors must be a non-empty list of base64 strings (one per TP rank)")
+    if not isinstance(config, dict):
+        return bad_request("config_dict must be a JSON object (PEFT's adapter_config)")
+
+    def load() -> str:
+        from megatron_flash.engines.weight_payloads import read_tensor_payload
+
+        named = read_tensor_payload(payloads[0], body.get("load_format"))
+        return engine.merge_adapter(str(body["lora_name"]), config, named)
+    return await lora_update(engine, body["lora_name"], load)
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> Any:
+    engine, body = engine_of(request), await body_of(request, "lora_name")
+    try:
+        engine._require_lora()
+        if body["lora_name"] != engine._lora_current:  # a name only: no weight changes, nothing to wait for
+            return lora_outcome(engine, True, engine.unload_adapter(body["lora_name"]))
+    except ValueError as error:
+        return lora_outcome(engine, False, str(error))
+    return lora_outcome(engine, *await engine.run_weight_update(lambda: engine.unload_adapter(body["lora_name"]),
+                                                                weight_version=None, flush_cache=False))

@@ -27,7 +27,8 @@ logger = logging.getLogger("megatron_flash.local_server")
 
 _WEIGHT_ENDPOINTS = ("/update_weights_from_tensor", "/update_weights_from_disk", "/init_weights_update_group",
                      "/update_weights_from_distributed", "/destroy_weights_update_group",
-                     "/update_weights_from_shared_memory")
+                     "/update_weights_from_shared_memory", "/load_lora_adapter", "/load_lora_adapter_from_tensors",
+                     "/unload_lora_adapter")
 
 
 def _is_loopback(host: str) -> bool:
@@ -114,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="torch device of the model and its KV cache: cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="dtype the model is served in (weight updates are cast to it)")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters (SGLang's /load_lora_adapter API; one at a time, merged: "
+                             "engines/local_lora.py)")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -139,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                              page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
                              max_running_requests=args.max_running_requests, context_length=args.context_length,
                              max_prefill_tokens=args.max_prefill_tokens, cuda_graphs=not args.disable_cuda_graph,
-                             seed=args.seed, device=args.device, dtype=args.dtype)
+                             seed=args.seed, device=args.device, dtype=args.dtype, enable_lora=args.enable_lora)
     except Exception as error:
         print(f"error: cannot load model from {args.model_path!r}: {error}", file=sys.stderr)
         return 2

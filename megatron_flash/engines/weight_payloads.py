@@ -145,3 +145,18 @@ def safe_deserialize(data: bytes | str) -> Any:
 
         data = base64.b64decode(data, validate=True)
     return _SafeUnpickler(io.BytesIO(data)).load()
+
+
+def read_peft_folder(path: str) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
+    """/load_lora_adapter: a PEFT adapter folder's config and tensors (adapter_config.json,
+    adapter_model.safetensors)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    config_path, weights = os.path.join(path, "adapter_config.json"), os.path.join(path, "adapter_model.safetensors")
+    if not os.path.isfile(config_path) or not os.path.isfile(weights):
+        raise ValueError(f"lora_path {path!r} is not a PEFT adapter folder (adapter_config.json and "
+                         "adapter_model.safetensors)")
+    with open(config_path) as f:
+        return json.load(f), list(load_file(weights).items())

@@ -44,7 +44,7 @@ from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Sequ
 
 from megatron_flash.engines.client import (EngineClient, EngineError, EngineHTTPError,
                                                   EngineTimeout, EngineUnreachable, GenerateResult)
-from megatron_flash.engines.client_replies import parse_input_logprobs, parse_input_top_logprobs
+from megatron_flash.engines.client_replies import lora_adapter_name, parse_input_logprobs, parse_input_top_logprobs
 from megatron_flash.rollout.request_trace import RequestWatch
 from megatron_flash.rollout.slots import EngineMetrics, EngineSlots, EngineState, ProxyMetrics
 
@@ -79,9 +79,11 @@ class LLMProxy:
 
     def __init__(self, clients: Sequence[EngineClient], *, max_inflight_per_engine: int,
                  health_check_interval_s: float = 2.0, health_check_timeout_s: float = 5.0,
-                 max_attempts: Optional[int] = None, trace_name: str = "engine") -> None:
+                 max_attempts: Optional[int] = None, trace_name: str = "engine", names_adapters: bool = False) -> None:
         """`trace_name`: its engines' tracks on the run's timeline ("engine 0", ...); only the policy's
-        engines ("engine") count as generating for pipeline/overlap (a teacher's scoring does not)."""
+        engines ("engine") count as generating for pipeline/overlap (a teacher's scoring does not).
+        `names_adapters`: LoRA adapters are pushed by name (weight_sync.lora=adapter); once the fleet
+        version is known every request names that version's adapter (engines/client_replies.py)."""
         if not clients:
             raise ValueError("LLMProxy needs at least one engine client, got none")
         if max_inflight_per_engine < 1:
@@ -99,6 +101,7 @@ class LLMProxy:
         self._active: Dict[str, Optional[EngineState]] = {}  # rid → engine now serving it (None: between)
         self._aborted: Set[str] = set()
         self._fleet_weight_version: Optional[str] = None
+        self.names_adapters = names_adapters
         self._health_task: Optional[asyncio.Task] = None
         self._background: Set[asyncio.Future] = set()
         self._parallel_calls: Dict[str, asyncio.Future] = {}  # rid → HTTP call of a generate_n in flight
@@ -446,6 +449,9 @@ class LLMProxy:
     def _note_version(self, weight_version: Optional[str]) -> None:
         if weight_version is not None:
             self._fleet_weight_version = weight_version
+            if self.names_adapters:  # from now on requests name the adapter of this version
+                for engine in self._engines:
+                    engine.client.lora_name = lora_adapter_name(weight_version)
 
     # -- metrics --------------------------------------------------------------------------------
     def reset_metrics(self) -> None:

@@ -110,8 +110,13 @@ class RolloutRuntime:
     def __init__(self, engines: "EngineConfig", rollout: "RolloutConfig", *, run_dir: str,
                  staleness: StalenessManager, buffer: SampleBuffer, dataset: Any, tokenizer: Any, model_path: str,
                  dump_groups: bool = False, group_runner_factory: Optional[GroupRunnerFactory] = None,
-                 return_routed_experts: bool = False, spawns: Optional[bool] = None, distill: Any = None) -> None:
+                 return_routed_experts: bool = False, spawns: Optional[bool] = None, distill: Any = None,
+                 lora_adapters: Optional[dict] = None) -> None:
         self.engines_cfg, self.rollout_cfg = engines, rollout
+        self.lora_adapters = lora_adapters
+        """LoRA adapters pushed by name ({"rank", "target_modules"}): engines serve them, requests name them."""
+        self.synced_version: Optional[int] = None
+        """The version the engines got before rollout started (a resume, a start adapter)."""
         self.distill = distill if distill is not None and distill.enabled else None
         self.teacher_launcher: Any = None
         self.teacher_urls: list[str] = []
@@ -150,6 +155,7 @@ class RolloutRuntime:
         eng = self.engines_cfg
         first_gpu = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) if eng.backend == "sglang" else 0
         self.launcher = EngineLauncher.from_config(eng, model_path=self.model_path, run_dir=self.run_dir,
+                                                   lora_adapters=self.lora_adapters,
                                                    first_gpu=first_gpu,
                                                    return_routed_experts=self.return_routed_experts)
         self.urls = self.launcher.start()
@@ -287,7 +293,8 @@ class RolloutRuntime:
             "admission": self.staleness.admission, "min_lookahead": self.staleness.min_lookahead,
             "version": self.staleness.version, "counters": self.staleness.snapshot(),
             "stale_policy": self.buffer.stale_policy, "restore": restore, "parent_pid": os.getpid(),
-            "trace": TRACER.enabled, "distill": self.distill, "teacher_urls": self.teacher_urls}
+            "trace": TRACER.enabled, "distill": self.distill, "teacher_urls": self.teacher_urls,
+            "lora_adapters": self.lora_adapters, "synced_version": self.synced_version}
         self._remote = RolloutProcess(spec, build_in_child)
         self.buffer, self.staleness = self._remote.buffer, self._remote.staleness
 
@@ -311,7 +318,10 @@ class RolloutRuntime:
         try:
             group_filter = get_filter(r.dynamic_filter)
             async with contextlib.AsyncExitStack() as stack:
-                proxy = await stack.enter_async_context(LLMProxy.from_config(self.engines_cfg, self.urls))
+                proxy = await stack.enter_async_context(LLMProxy.from_config(
+                    self.engines_cfg, self.urls, names_adapters=self.lora_adapters is not None))
+                if self.synced_version is not None:  # before any request: which weights (adapter) to name
+                    proxy.note_external_sync(str(self.synced_version))
                 self._proxy = proxy
                 teacher = None
                 if self.distill is not None:
@@ -469,7 +479,8 @@ def build_in_child(spec: dict[str, Any]) -> dict[str, Any]:
                              buffer=buffer, dataset=spec["dataset"], tokenizer=spec["tokenizer"],
                              model_path=spec["model_path"], dump_groups=spec["dump_groups"],
                              return_routed_experts=spec["return_routed_experts"], spawns=False,
-                             distill=spec["distill"])
+                             distill=spec["distill"], lora_adapters=spec["lora_adapters"])
+    runtime.synced_version = spec["synced_version"]
     holder["runtime"] = runtime
     runtime.urls = list(spec["urls"])
     runtime.teacher_urls = list(spec["teacher_urls"])  # launched (and supervised) by the parent

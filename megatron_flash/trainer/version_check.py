@@ -42,7 +42,7 @@ class WeightSnapshots:
     """Host copies of a list of modules' parameters, by policy version."""
 
     def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
-        self._params = [p for m in modules for p in m.parameters()]
+        self._params = [p for m in modules for p in m.parameters() if p.requires_grad]  # LoRA: the adapters
         self._copies: dict[int, list[torch.Tensor]] = {}
 
     @property

@@ -24,6 +24,7 @@ import os
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from megatron_flash.engines.client_replies import lora_adapter_name
 from megatron_flash.trace import TRACER, TRAINER
 from megatron_flash.weight_sync import probe as probe_lib
 from megatron_flash.weight_sync.calls import EngineCalls, from_rank0
@@ -47,7 +48,7 @@ class WeightBridge:
                  master_address: str = "127.0.0.1", timeout_s: float = 600.0, engine_tp_size: int = 1,
                  max_resync: int = 1, fail_fast: bool = False, probe: bool = True, probe_threshold: float = 0.05,
                  alive_timeout_s: float = 10.0, on_bucket: Optional[Callable[[int], None]] = None,
-                 colocate: bool = False) -> None:
+                 colocate: bool = False, lora: str = "") -> None:
         if bucket_mb <= 0:
             raise ValueError(f"weight_sync.bucket_mb must be > 0, got {bucket_mb!r}")
         if max_resync < 0:
@@ -65,10 +66,23 @@ class WeightBridge:
         self.rank0 = policy.layout.rank == 0
         self.calls = EngineCalls(api_key=api_key, timeout_s=timeout_s, alive_timeout_s=alive_timeout_s)
         bucket_bytes = max(1, int(bucket_mb * 2**20))
-        self.transport = make_transport(transport, TransportContext(
+        ctx = TransportContext(
             calls=self.calls, layout=policy.layout, engine_tp_size=engine_tp_size, master_address=master_address,
             disk_dir=disk_dir, export_hf=policy.export_hf, in_service=lambda: self.urls, bucket_bytes=bucket_bytes,
-            sender_bytes_bound=sender_bytes_bound(policy)))
+            sender_bytes_bound=sender_bytes_bound(policy))
+        if lora not in ("", "merged", "adapter"):
+            raise ValueError(f"weight_sync.lora must be merged or adapter, got {lora!r}")
+        self.lora = lora
+        self._probe_adapter: Optional[str] = None  # the adapter name the probe scores (adapter mode)
+        """"" (full weights), merged (W + s·B·A, a full-weight push) or adapter (the adapters alone, by name)."""
+        if lora == "adapter":
+            from megatron_flash.hf.io import gather_adapter
+            from megatron_flash.weight_sync.transports.adapter import AdapterTransport
+
+            self.transport = AdapterTransport(ctx, via=transport, config=policy.peft_config(), gather=lambda: gather_adapter(
+                policy.model, spec=policy.spec, layout=policy.layout))
+        else:
+            self.transport = make_transport(transport, ctx)
         self.memory = MemoryHandoff(self.calls) if colocate else None
         self.executor = Executor(policy, self.transport, self.calls, bucket_bytes=bucket_bytes,
                                  pause_mode=pause_mode, memory=self.memory, on_bucket=on_bucket)
@@ -120,6 +134,7 @@ class WeightBridge:
         """Push the current weights as `version` to every engine in service (`only`: to those of them).
         Collective: all ranks."""
         t0 = time.perf_counter()
+        self._probe_adapter = lora_adapter_name(version) if self.lora == "adapter" else None
         targets = [u for u in self.urls if only is None or u in only]
         if not targets:
             raise WeightSyncError(f"weight sync to version {version}: no engine in service "
@@ -166,8 +181,8 @@ class WeightBridge:
         (rank 0). Returns (max, mean, worst url, {url: error} of engines that could not answer), the
         same on every rank; raises when none answered. Collective."""
         with TRACER.span("probe", "sync", TRAINER, engines=len(urls)):
-            result = from_rank0(probe_lib.run_probe(self.policy, urls, api_key=self.api_key,
-                                                    timeout_s=self.timeout_s, rank0=self.rank0))
+            result = from_rank0(probe_lib.run_probe(self.policy, urls, api_key=self.api_key, timeout_s=self.timeout_s,
+                                                    rank0=self.rank0, lora_name=self._probe_adapter))
         if isinstance(result, str):
             raise WeightSyncError(result)
         return result

@@ -83,6 +83,7 @@ class Executor:
                 local, sent, buckets = self._stream(active)
             elif active and self.rank0:
                 local = self.transport.load(version, active)
+                sent = getattr(self.transport, "loaded_bytes", 0)  # adapters: what each engine was sent
             info.update(buckets=buckets, bytes=sent)  # this rank's
         errors.update(merge_errors(local))
         if self.rank0:

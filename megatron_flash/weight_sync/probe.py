@@ -65,16 +65,17 @@ def logprob_diffs(trainer_logprobs: torch.Tensor, engine_logprobs: Sequence[Sequ
 
 
 async def engine_logprobs(url: str, tokens: torch.Tensor, prompt_len: int, *, api_key: Optional[str],
-                          timeout_s: float) -> list[list[float]]:
+                          timeout_s: float, lora_name: Optional[str] = None) -> list[list[float]]:
     from megatron_flash.engines.client import EngineClient
 
     async with EngineClient(url, api_key=api_key, request_timeout_s=timeout_s) as client:
+        client.lora_name = lora_name  # LoRA adapters pushed by name: score the one just pushed, not the base
         reply = await client.score(tokens.tolist(), logprob_start_len=prompt_len - 1)
     return parse_continuation_logprobs(reply, tokens, prompt_len, url=url)
 
 
 def run_probe(policy: Any, urls: Sequence[str], *, api_key: Optional[str], timeout_s: float,
-              rank0: bool) -> Any:
+              rank0: bool, lora_name: Optional[str] = None) -> Any:
     """Trainer (every rank, collective) vs every engine in `urls` (rank 0 asks them). On rank 0:
     (max, mean, worst url, {url: error} of engines that could not answer), or a message (str) when
     the probe could not run at all; None on other ranks. The caller broadcasts the result."""
@@ -92,8 +93,8 @@ def run_probe(policy: Any, urls: Sequence[str], *, api_key: Optional[str], timeo
                 "the run stops rather than train on or sample from them")
 
     async def every() -> list[Any]:
-        return await asyncio.gather(*(engine_logprobs(u, tokens, PROMPT_LEN, api_key=api_key, timeout_s=timeout_s)
-                                      for u in urls), return_exceptions=True)
+        return await asyncio.gather(*(engine_logprobs(u, tokens, PROMPT_LEN, api_key=api_key, timeout_s=timeout_s,
+                                                      lora_name=lora_name) for u in urls), return_exceptions=True)
     try:
         worst, lost = (-1.0, -1.0, ""), {}
         for url, out in zip(urls, asyncio.run(every())):

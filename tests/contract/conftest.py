@@ -80,7 +80,7 @@ class EngineServer:
 
 
 def _start_local_server(model_dir: str, port: int, log_path: str, *, api_key: str | None = None,
-                      device: str = "cpu") -> subprocess.Popen:
+                      device: str = "cpu", extra_args: list[str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "megatron_flash.engines.local_server", "--model-path", model_dir,
            "--port", str(port), "--host", "127.0.0.1", "--num-blocks", "64", "--page-size", "16",
            "--decoder", DECODER, "--log-level", "warning", "--device", device, "--dtype", "float32"]
@@ -88,19 +88,20 @@ def _start_local_server(model_dir: str, port: int, log_path: str, *, api_key: st
         cmd += ["--max-batch-tokens", "256"]
     if api_key is not None:
         cmd += ["--api-key", api_key]
+    cmd += extra_args or []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"}
     log = open(log_path, "w")
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def launch_engine(backend: str, model_dir: str, log_dir: str, *, api_key: str | None = None,
-                  sglang_args: list[str] | None = None) -> EngineServer:
+                  sglang_args: list[str] | None = None, local_args: list[str] | None = None) -> EngineServer:
     """Start a server of `backend` on a free loopback port and wait (with a deadline) for /health.
-    `sglang_args`: server flags SGLang needs and the local engine does not (it has no such switches)."""
+    `sglang_args` / `local_args`: flags for that backend only (each server has its own switches)."""
     port = free_ports()
     log_path = os.path.join(log_dir, f"{backend}-{port}.log")
     if backend in LOCAL:
-        proc = _start_local_server(model_dir, port, log_path, api_key=api_key, device=backend)
+        proc = _start_local_server(model_dir, port, log_path, api_key=api_key, device=backend, extra_args=local_args)
     elif backend == "sglang":  # HOOK: provided by the real-SGLang tier
         from tests.contract.sglang_backend import start_sglang_server
 

@@ -23,3 +23,30 @@ if _strategy:
         import sys
 
         print(f"[sglang_cpu sitecustomize] could not set sharing strategy: {_e!r}", file=sys.stderr)
+
+# SGLang 0.5.23's LoRA layers and its torch_native LoRA backend ask for pinned host memory
+# unconditionally (`pin_memory=True` in torch.tensor / torch.zeros / torch.empty, `.pin_memory()`),
+# which a CPU-only torch refuses ("pin_memory=True requires a CUDA or other accelerator backend"), so
+# `--enable-lora` cannot start on CPU. Pinning only speeds host-to-device copies; with no device there
+# is nothing to pin, so here it is a no-op (MF_SGLANG_CPU_PIN_NOOP=0 keeps SGLang's behaviour).
+if os.environ.get("MF_SGLANG_CPU_PIN_NOOP", "1") == "1":
+    try:
+        import functools as _functools
+
+        import torch as _torch
+
+        if not _torch.cuda.is_available():
+            def _unpinned(factory):
+                @_functools.wraps(factory)
+                def make(*args, **kwargs):
+                    kwargs.pop("pin_memory", None)
+                    return factory(*args, **kwargs)
+                return make
+
+            for _name in ("tensor", "empty", "zeros", "ones", "full", "arange"):
+                setattr(_torch, _name, _unpinned(getattr(_torch, _name)))
+            _torch.Tensor.pin_memory = lambda self, *a, **k: self
+    except Exception as _e:  # never break interpreter start-up
+        import sys
+
+        print(f"[sglang_cpu sitecustomize] could not make pin_memory a no-op: {_e!r}", file=sys.stderr)

@@ -1,0 +1,77 @@
+"""LoRA through the product (launch/pretrain_async_rl.py, a local engine): the version-label check
+covers adapters, in both sync modes.
+
+  run        α  weight_sync.lora  pause    what is checked
+  ---------  -  ----------------  -------  ---------------------------------------------------------------
+  adapter    2  adapter (ipc)     retract  every trained token's μ = the trainer's logprob under the adapter
+                                           of its labelled version (≤ 1e-5, fp32); pushes move only the
+                                           adapters (bytes = their size); HF export: merged + PEFT adapter
+  merged     0  merged (disk)     abort    the same labels; on-policy, so the trainer's logprobs equal the
+                                           engine's μ at numerical noise (train/mismatch_abs ≤ 1e-5)
+
+The trainer keeps its adapters of the last α + 1 versions (trainer.version_check_interval=1) and scores
+each trained token under its label; requests name the adapter of the version they start on, and the
+engine (which merges one adapter at a time) labels tokens by the version that sampled them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from safetensors.torch import load_file
+
+from tests.e2e.test_async_pipeline import metrics, run, small_run
+
+TOLERANCE = 1e-5
+ADAPTER_BYTES = 6656 * 4  # rank 4 on every target of the tiny Llama: 6,656 float32 parameters
+
+
+def lora_run(model: str, run_dir: str, *extra: str) -> None:
+    run(small_run(model, run_dir, "trainer.total_steps=6", "trainer.version_check_interval=1",
+                  "rollout.max_new_tokens=16", "model.lora.rank=4", "optimizer.lr=1e-2",
+                  # one group generating at a time: pushes land while samples are generating
+                  "engines.server_args={max_running_requests: 4}", "loss.name=tis", *extra), timeout=600)
+
+
+def check_labels(rows: list[dict]) -> None:
+    checked = trained = 0
+    for r in rows:
+        assert r["mismatch_labelled_max"] <= TOLERANCE, r
+        checked += r["mismatch_labelled_tokens"]
+        trained += r["train/num_trained_tokens"]
+    assert trained > 0 and checked == trained
+
+
+def test_adapter_pushes_keep_labels_exact(tiny_models, tmp_path) -> None:
+    run_dir = str(tmp_path / "run")
+    lora_run(tiny_models["llama"], run_dir, "async_rl.alpha=2", "rollout.pause_mode=retract",
+             "weight_sync.transport=ipc", "checkpoint.save_hf_at_end=true")
+    rows = metrics(run_dir)
+    assert len(rows) == 6
+    check_labels(rows)
+    assert max(r["staleness_token_max"] for r in rows) >= 1  # stale tokens were checked, not only fresh ones
+    # the first step's optimizer state: Adam's two moments and step per adapter parameter, nothing of the base
+    assert 2 * ADAPTER_BYTES <= rows[0]["train/optimizer_state_gb"] * 1e9 <= 2 * ADAPTER_BYTES + 4096
+    assert all(r["train_infer_logprob_diff_max"] <= TOLERANCE for r in rows)
+    final = os.path.join(run_dir, "final_hf")
+    with open(os.path.join(final, "adapter", "adapter_config.json")) as f:
+        config = json.load(f)
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 32.0, "LORA")
+    adapter = load_file(os.path.join(final, "adapter", "adapter_model.safetensors"))
+    assert len(adapter) == 2 * 7 * 2  # layers × HF modules × (A, B)
+    # a push carries the PEFT tensors (A once per HF module: q, k, v share one), nothing else
+    assert all(r["sync_gb"] * 1e9 == sum(t.numel() * t.element_size() for t in adapter.values()) for r in rows)
+    assert sum(t.numel() for t in adapter.values()) < 2 * ADAPTER_BYTES / 4
+
+
+def test_merged_pushes_are_on_policy_at_alpha_0(tiny_models, tmp_path) -> None:
+    run_dir = str(tmp_path / "run")
+    lora_run(tiny_models["llama"], run_dir, "async_rl.alpha=0", "weight_sync.lora=merged",
+             "weight_sync.transport=disk", "rollout.pause_mode=abort")
+    rows = metrics(run_dir)
+    assert len(rows) == 6
+    check_labels(rows)
+    assert max(r["staleness_token_max"] for r in rows) == 0
+    assert all(r["train/mismatch_abs"] <= TOLERANCE for r in rows), [r["train/mismatch_abs"] for r in rows]
+    assert any(r["train/grad_norm"] > 0 for r in rows)  # the adapters trained: the pushes carried new weights

@@ -181,7 +181,7 @@ def write_peft_adapter(out_dir: str, tensors: Mapping[str, torch.Tensor], config
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
-    save_file({PEFT_PREFIX + k: v.contiguous() for k, v in sorted(tensors.items())},
+    save_file({PEFT_PREFIX + k: v.detach().clone().contiguous() for k, v in sorted(tensors.items())},  # q/k/v share A
               os.path.join(out_dir, PEFT_WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(out_dir, PEFT_CONFIG), "w") as f:
         json.dump(config, f, indent=2)

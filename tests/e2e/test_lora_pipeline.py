@@ -7,7 +7,9 @@ covers adapters, in both sync modes.
                                            of its labelled version (≤ 1e-5, fp32); pushes move only the
                                            adapters (bytes = their size); HF export: merged + PEFT adapter
   merged     0  merged (disk)     abort    the same labels; on-policy, so the trainer's logprobs equal the
-                                           engine's μ at numerical noise (train/mismatch_abs ≤ 1e-5)
+                                           engine's μ at numerical noise (train/mismatch_abs ≤ 1e-5); the run
+                                           starts from a PEFT adapter (model.lora.adapter_path), so version
+                                           0 is not the base: the engines must get it before they serve
 
 The trainer keeps its adapters of the last α + 1 versions (trainer.version_check_interval=1) and scores
 each trained token under its label; requests name the adapter of the version they start on, and the
@@ -65,10 +67,35 @@ def test_adapter_pushes_keep_labels_exact(tiny_models, tmp_path) -> None:
     assert sum(t.numel() for t in adapter.values()) < 2 * ADAPTER_BYTES / 4
 
 
+def start_adapter(model: str, path: str) -> None:
+    """A PEFT adapter (rank 4, alpha 32, every target) with B ≠ 0, of this model's shapes."""
+    import torch
+    from safetensors import safe_open
+
+    from megatron_flash.hf.adapters import peft_config, write_peft_adapter
+
+    gen, tensors = torch.Generator().manual_seed(5), {}
+    with safe_open(os.path.join(model, "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            module = name.removesuffix(".weight")
+            if module.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+                out_f, in_f = f.get_slice(name).get_shape()
+                tensors[f"{module}.lora_B.weight"] = torch.randn(out_f, 4, generator=gen) * 0.05
+                tensors[f"{module}.lora_A.weight"] = torch.randn(4, in_f, generator=gen) * 0.1
+    for fused in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):  # one A per fused Megatron linear
+        for name in [n for n in tensors if f".{fused[0]}.lora_A" in n]:
+            for other in fused[1:]:
+                tensors[name.replace(fused[0], other)] = tensors[name]
+    write_peft_adapter(path, tensors, peft_config(rank=4, alpha=32, dropout=0.0, targets=("qkv", "proj", "fc1", "fc2"),
+                                                  base_model=model))
+
+
 def test_merged_pushes_are_on_policy_at_alpha_0(tiny_models, tmp_path) -> None:
     run_dir = str(tmp_path / "run")
+    start_adapter(tiny_models["llama"], str(tmp_path / "start_adapter"))
     lora_run(tiny_models["llama"], run_dir, "async_rl.alpha=0", "weight_sync.lora=merged",
-             "weight_sync.transport=disk", "rollout.pause_mode=abort")
+             "weight_sync.transport=disk", "rollout.pause_mode=abort",
+             f"model.lora.adapter_path={tmp_path / 'start_adapter'}")
     rows = metrics(run_dir)
     assert len(rows) == 6
     check_labels(rows)

@@ -109,3 +109,29 @@ def test_weight_sync_verify_with_every_transport(quickstart: dict) -> None:
         # Just before the sync the engine served the previous weights: a sync that delivered nothing
         # would leave a diff this large.
         assert r["stale_max_abs_logprob_diff"] > 100 * max(r["max_abs_logprob_diff"], 1e-6), r
+
+
+def test_lora_layouts_and_resume(tiny_models, tmp_path) -> None:
+    """LoRA on this megatron-core: one SGD step of the adapters at TP2 + SP and PP2 equals TP1 (1e-6), and a
+    TP1 adapter checkpoint resumes under TP2 (the next Adam step equals the uninterrupted run's, 1e-5)."""
+    from tests.distributed.grouped_cases import run_layout_cases
+    from tests.distributed.test_lora_layouts import adapter
+
+    lora = ["--hf-dir", tiny_models["llama"], "--lora-rank", "4", "--lora-b-std", "0.05", "--lr", "1",
+            "--max-tokens", "24"]
+    runs = run_layout_cases({"ref": (1, lora), "tp2sp": (2, lora + ["--tp", "2", "--sp"]),
+                             "pp2": (2, lora + ["--pp", "2"])}, str(tmp_path / "layouts"))
+    want = adapter(os.path.join(runs["ref"], "export1", "adapter"))
+    before = adapter(os.path.join(runs["ref"], "export0", "adapter"))
+    assert max((want[k] - before[k]).abs().max().item() for k in want) > 1e-3
+    for case in ("tp2sp", "pp2"):
+        got = adapter(os.path.join(runs[case], "export1", "adapter"))
+        assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6, case
+
+    worker, ckpt = "tests/distributed/ckpt_layout_worker.py", str(tmp_path / "ckpt")
+    common = ["--hf-dir", tiny_models["llama"], "--ckpt-dir", ckpt, "--lora-rank", "4"]
+    launch_grouped(worker, {"save": (1, common + ["--mode", "save", "--out", str(tmp_path / "save")])}, str(tmp_path))
+    launch_grouped(worker, {"tp2": (2, common + ["--mode", "resume", "--tp", "2", "--out", str(tmp_path / "tp2")])},
+                   str(tmp_path))
+    saved, resumed = (adapter(str(tmp_path / d / "export_after" / "adapter")) for d in ("save", "tp2"))
+    assert max((resumed[k] - saved[k]).abs().max().item() for k in saved) <= 1e-5

@@ -43,6 +43,16 @@ def item_overrides(item: str) -> list[str]:
     return out
 
 
+def reused(run_dir: str, steps: int) -> list[dict] | None:
+    """The rows of a finished run in `run_dir` (all `steps` of them), else None."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return rows if len(rows) == steps else None
+
+
 def median(rows: list[dict], key: str, skip: int = 2) -> float:
     vals = [r[key] for r in rows[skip:] if r.get(key) is not None]
     return statistics.median(vals) if vals else float("nan")
@@ -55,6 +65,7 @@ def main() -> int:
     p.add_argument("--runs", default="full@1e-3,r1@1e-2,r8@3e-3,r8@1e-2,r32@3e-3")
     p.add_argument("--last", type=int, default=5)
     p.add_argument("--out", default="runs/bench_lora")
+    p.add_argument("--reuse", action="store_true", help="read a run already in --out (all its steps) instead of running it")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more config overrides for every run")
     args = p.parse_args()
     name = "lora"
@@ -68,9 +79,12 @@ def main() -> int:
         order = items[seed % len(items):] + items[:seed % len(items)]
         for item in order:
             tag = "".join(c if c.isalnum() else "_" for c in item) + f"_s{seed}"
-            rows, _ = benchlib.run_pipeline(model=model, run_dir=os.path.join(benchlib.REPO, args.out, tag), name=name,
-                                            overrides=[*item_overrides(item), f"trainer.total_steps={args.steps}",
-                                                       f"trainer.seed={seed}", *args.overrides])
+            run_dir = os.path.join(benchlib.REPO, args.out, tag)
+            rows = reused(run_dir, args.steps) if args.reuse else None
+            if rows is None:
+                rows, _ = benchlib.run_pipeline(model=model, run_dir=run_dir, name=name,
+                                                overrides=[*item_overrides(item), f"trainer.total_steps={args.steps}",
+                                                           f"trainer.seed={seed}", *args.overrides])
             rewards = [r["reward_mean"] for r in rows]
             finals[item][seed] = statistics.fmean(rewards[-args.last:])
             extra[item].append({"optimizer_state_gb": rows[-1].get("train/optimizer_state_gb", float("nan")),

@@ -54,7 +54,7 @@ from megatron_flash.trainer.model_builder import (
 )
 from megatron_flash.hf.spec import HFModelSpec, read_hf_spec
 from megatron_flash.trainer.settings import PolicySettings
-from megatron_flash.trainer.shared_prefix import check_shared_prefix
+from megatron_flash.trainer.shared_prefix import check_shared_prefix, step_flops
 from megatron_flash.trainer.weight_health import grad_state, weights_finite
 from megatron_flash.types import TrainBatch
 
@@ -419,9 +419,12 @@ class MegatronPolicy:
             metrics.update(self.routing.collect(self.device))
         rows, width = batch.tokens.shape
         lengths = batch.lengths.tolist() if batch.lengths is not None else [width] * rows
+        s, adapters = self.settings, adapter_weights_per_token(self.spec, self.settings.lora)
+        flops = step_flops(self.spec, batch, lengths, max_tokens=s.max_tokens_per_micro_batch,
+                           max_samples=s.micro_batch_size, adapter_weights=adapters) if s.shared_prefix else None
         metrics.update(step_speed(self.spec, lengths, seconds=time.perf_counter() - started,  # host-synced above
-                                  num_gpus=self.layout.world_size, device=self.device,
-                                  adapter_weights=adapter_weights_per_token(self.spec, self.settings.lora)))
+                                  num_gpus=self.layout.world_size, device=self.device, adapter_weights=adapters,
+                                  flops=flops))
         return metrics
 
     def _check_routes(self, batch: TrainBatch, required: bool = True) -> TrainBatch:

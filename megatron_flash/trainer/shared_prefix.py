@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -83,6 +83,20 @@ def shared_units(tokens: torch.Tensor, lengths: Sequence[int], prompt_lengths: S
             current = grown
         units.append(_unit(current, prefix))
     return units
+
+
+def step_flops(spec: Any, batch: Any, lengths: Sequence[int], *, max_tokens: int, max_samples: int,
+               adapter_weights: int = 0) -> Optional[float]:
+    """Model FLOPs of a step over `batch` laid out with shared prefixes, a split group's prompt once per
+    part (None: nothing is shared)."""
+    from megatron_flash.trainer.flops import shared_flops
+
+    if batch.group_ids is None or batch.prompt_lengths is None:
+        return None
+    units = shared_units(batch.tokens, lengths, batch.prompt_lengths.tolist(), batch.group_ids.tolist(),
+                         max_tokens=max_tokens, max_samples=max_samples)
+    return sum(shared_flops(spec, u.prefix, [lengths[i] for i in u.samples], adapter_weights=adapter_weights)
+               for u in units)
 
 
 def _unit(samples: list[int], prefix: int) -> Unit:

@@ -77,3 +77,20 @@ def test_row_layout_by_hand() -> None:
     F, T = False, True
     assert shapes[(2, 5)] == ([[3, 4]], [[F, F, F, F, T], [F, F, F, F, F]])
     assert shapes[(3, 6)] == ([[6, 7, 8]], [[F, F, F, F, T, T], [F, F, F, F, F, T], [F, F, F, F, F, F]])
+
+
+def test_shared_flops_by_hand() -> None:
+    """Prefix 3, samples of 5 and 4 tokens: 3 + 2 + 1 = 6 tokens through the matmuls; attention pairs
+    3·4/2 = 6 (the prefix), 2·3 + 2·3/2 = 9 and 1·3 + 1 = 4 (the responses) = 19, against 9 tokens and
+    15 + 10 pairs unshared."""
+    from megatron_flash.hf.spec import HFModelSpec
+    from megatron_flash.trainer.flops import matmul_weights_per_token, shared_flops, train_flops
+
+    spec = HFModelSpec(family="llama", architecture="LlamaForCausalLM", vocab_size=100, hidden_size=16,
+                       ffn_hidden_size=24, num_layers=2, num_attention_heads=4, num_query_groups=2, head_dim=4,
+                       norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=False,
+                       qkv_bias=False, qk_norm=False)
+    n, ad = matmul_weights_per_token(spec), 16
+    assert shared_flops(spec, 3, [5, 4]) == 6 * n * 6 + 12 * ad * 19 * 2
+    assert shared_flops(spec, 0, [5]) == train_flops(spec, [5])  # nothing shared: the usual count
+    assert train_flops(spec, [5, 4]) == 6 * n * 9 + 12 * ad * 25 * 2

@@ -6,6 +6,8 @@
         --batch 128 --mean-len 2000 --max-len 16384                             # one GPU
     python benchmarks/trainer_throughput.py --device cuda --preset 0.5b      # Qwen2.5-0.5B shape, bf16,
     python benchmarks/trainer_throughput.py --device cuda --preset 1.5b      #   local vs flash attention
+    python benchmarks/trainer_throughput.py --shared-prefix --prompt-len 256 --response-len 32 --group-size 8
+                                          # a group's prompt once: benchmarks/shared_prefix_bench.py
 
 One batch of `--batch` samples: a `--prompt-len`-token prompt and a response whose length is drawn
 from a lognormal (σ = `--sigma`) with mean `--mean-len`, capped at `--max-len`; the longest response is
@@ -62,6 +64,7 @@ from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def response_lengths(*, batch: int, mean: float, sigma: float, max_len: int, max_ratio: float,
@@ -163,13 +166,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="", choices=["", *PRESETS], help="a Qwen2.5-shaped model and batch (above)")
     p.add_argument("--attention", default="auto", choices=["auto", "local", "flash", "both"],
                    help="packed way's core attention (auto: both on CUDA in bf16/fp16, local otherwise)")
+    p.add_argument("--shared-prefix", action="store_true",
+                   help="instead: groups sharing a prompt, trained with and without trainer.shared_prefix "
+                        "(benchmarks/shared_prefix_bench.py; --prompt-len, --response-len, --group-size)")
+    p.add_argument("--response-len", type=int, default=32, help="--shared-prefix: tokens of every response")
+    p.add_argument("--group-size", type=int, default=8, help="--shared-prefix: responses per prompt")
+    p.add_argument("--memory", action="store_true", help="--shared-prefix: peak memory of each layout (own process)")
+    p.add_argument("--only", default="", choices=["", "shared", "unshared"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if args.preset:
         arch, layers, hidden, heads, kv, ffn, vocab = PRESETS[args.preset]
         args.arch, args.num_layers, args.hidden_size, args.dtype = arch, layers, hidden, "bfloat16"
-        args.batch, args.prompt_len, args.mean_len, args.max_len, args.max_ratio = 16, 64, 1000.0, 8192, 8.0
+        if not args.shared_prefix:  # --shared-prefix keeps its own batch shape
+            args.batch, args.prompt_len, args.mean_len, args.max_len, args.max_ratio = 16, 64, 1000.0, 8192, 8.0
         args.max_tokens = args.max_tokens or 16384
         shape = ["--num-heads", str(heads), "--num-kv-heads", str(kv), "--intermediate-size", str(ffn),
                  "--vocab-size", str(vocab)]
@@ -202,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
                         "--arch", args.arch, "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers),
                         *shape],
                        check=True, stdout=subprocess.DEVNULL)
+    if args.shared_prefix:
+        import shared_prefix_bench
+
+        return shared_prefix_bench.main(args, lambda: MegatronPolicy(PolicySettings(
+            hf_path=model, dtype=args.dtype, optimizer=OptimizerConfig(lr=1e-7),
+            attention_backend="local" if attention == "local" else "flash")))
     lengths = response_lengths(batch=args.batch, mean=args.mean_len, sigma=args.sigma, max_len=args.max_len,
                                max_ratio=args.max_ratio, seed=args.seed)
     totals = [args.prompt_len + n for n in lengths]

@@ -136,7 +136,7 @@ class Group:
 
 PER_TOKEN = ("tokens", "loss_mask", "behavior_logprobs", "advantages", "proximal_logprobs", "reference_logprobs",
              "behavior_lag", "teacher_logprobs")
-PER_SAMPLE = ("lengths", "rewards", "group_ids", "staleness")
+PER_SAMPLE = ("lengths", "rewards", "group_ids", "staleness", "prompt_lengths")
 PER_TOKEN_ROWS = ("routed_experts", "teacher_topk_ids", "teacher_topk_logprobs")  # [B, S, k]: a row per token
 
 
@@ -177,6 +177,8 @@ class TrainBatch:
     """[B] the group (prompt) each sample answers."""
     staleness: Optional[torch.Tensor] = None
     """[B] policy versions between the sample's generation start and this step."""
+    prompt_lengths: Optional[torch.Tensor] = None
+    """[B] tokens of each sample's prompt (the first tokens; trainer.shared_prefix computes a group's once)."""
     routed_experts: Optional[torch.Tensor] = None
     """[B, S, layers * top_k] the engine's experts for token t (MoE routing replay); the model
     input's, not the loss's (micro-batches lay it out with the tokens)."""
@@ -244,7 +246,8 @@ def collate(samples: Sequence[Sample], *, pad_id: int, advantages: Optional[torc
     return TrainBatch(tokens=tokens, lengths=torch.tensor(lengths, dtype=torch.long), loss_mask=mask,
                       behavior_logprobs=behavior, advantages=per_token_adv, routed_experts=_collate_routes(samples, width),
                       rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
-                      group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long))
+                      group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long),
+                      prompt_lengths=torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long))
 
 
 def _collate_routes(samples: Sequence[Sample], width: int) -> Optional[torch.Tensor]:

@@ -35,9 +35,12 @@
 #   engine        (not run yet; ≈ 6.5 min planned) benchmarks/engine_step_cost.py --device cuda --preset 0.5b at
 #                 1k-token contexts, k = 1, 8, 64, 256, static decoder and transformers CB side by side; a 1.5b
 #                 static row; tools/weight_sync/bench.py --device cuda --engine into the static decoder
+#   shared_prefix (not run yet; ≈ 4 min planned) tests/gpu/test_gpu_shared_prefix.py (flash, bf16, shared vs
+#                 unshared), then benchmarks/trainer_throughput.py --shared-prefix on the 0.5b preset at
+#                 P/R = 8 and 1/8 (n = 8), flash attention
 #   rollout_static (not run yet; ≈ 7 min planned) queue_scheduling.py, prompt_replication.py, async_vs_sync.py
 #                 with --engine-device cuda on the static decoder (64 running per engine)
-#   The stages of the GPU rows still open, in order: engine, trainer, rollout_static (each run alone):
+#   The stages of the GPU rows still open, in order: engine, trainer, shared_prefix, rollout_static (each alone):
 #     GPU_DEADLINE=440 bash tools/gpu_session.sh run engine -- contract
 #   The newest megatron-core on the GPU (what Python 3.12 users get; CI tests it on CPU only):
 #     MCORE_VERSION=0.19.2 bash tools/gpu_session.sh download   (in a fresh .whl/), then e.g. `run quickstart`
@@ -144,6 +147,12 @@ track() {  # the named stages, one after another
                     --prompt-len 1000 --k 1,64,256 --decoder static --short 8 --long 40 --repeats 2
                 stage bench_cuda_engine_static 90 python3 tools/weight_sync/bench.py --device cuda --engine \
                     --size-mb 1024 --bucket-mb 256 --repeats 3 --engine-decoder static ;;
+            shared_prefix)  # a group's prompt once: exactness of the flash path, then its speed-up
+                stage shared_prefix_test 90 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_shared_prefix.py
+                stage shared_prefix_pr8 100 python3 benchmarks/trainer_throughput.py --device cuda --preset 0.5b \
+                    --shared-prefix --batch 32 --group-size 8 --prompt-len 2048 --response-len 256 --rounds 2
+                stage shared_prefix_pr1_8 100 python3 benchmarks/trainer_throughput.py --device cuda --preset 0.5b \
+                    --shared-prefix --batch 32 --group-size 8 --prompt-len 128 --response-len 1024 --rounds 2 ;;
             rollout_static)  # the paper's rollout gains on the static decoder (flat step), one round each
                 stage queue_scheduling_static 150 python3 benchmarks/queue_scheduling.py --engine-device cuda \
                     --rounds 1 --max-running 64 --steps 8 --skip 2

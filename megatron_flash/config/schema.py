@@ -285,6 +285,13 @@ class TrainerConfig(_Section):
     """With pack_sequences: close a micro-batch before it exceeds this many tokens (samples stay
     whole; the micro-batch count then varies per step and DP ranks are balanced by tokens). 0 = no
     token limit. A micro-batch also never holds more than micro_batch_size samples."""
+    shared_prefix: bool = False
+    """With pack_sequences: the samples of a group (one prompt, n responses) become one packed segment,
+    the prompt once and each response after it, attending to the prompt as in its own row: the
+    trainer computes every prompt once instead of n times, with the same loss and gradients
+    (trainer/shared_prefix.py). Every forward over training batches uses it (training, π_prox, the
+    reference, distillation). Refused for MoE models, Transformer Engine's attention and agent
+    workflows (their samples' prompt tokens need not match)."""
     recompute: str = "none"
     """Activation recomputation: none | selective (core attention, Megatron's default modules) |
     full (whole layers, by recompute_method / recompute_num_layers)."""
@@ -324,6 +331,9 @@ class TrainerConfig(_Section):
         if self.max_tokens_per_micro_batch:
             self._require(self.pack_sequences, "max_tokens_per_micro_batch",
                           "needs trainer.pack_sequences=true (padded micro-batches have a fixed size)")
+        if self.shared_prefix:
+            self._require(self.pack_sequences, "shared_prefix", "needs trainer.pack_sequences=true (a shared "
+                          "prompt is a packed segment)")
         self._one_of("recompute", RECOMPUTE)
         for name in ("recompute_method", "recompute_num_layers"):
             if getattr(self, name) is not None:
@@ -1104,6 +1114,10 @@ class RunConfig:
         if self.distill.enabled and self.engines.backend == "attach" and not self.distill.urls:
             raise ValueError("distill.urls must list the teacher engines when engines.backend=attach (a run that "
                              "attaches its student engines launches none, the teacher's included)")
+        if trainer.shared_prefix and self.agentic.workflow:
+            raise ValueError("trainer.shared_prefix is refused for agent workflows (agentic.workflow is set): a "
+                             "gateway trajectory's first turn is the agent's own tokenisation, so the samples of a "
+                             "group need not start with the same prompt ids")
         if rollout.runner == "process" and (self.agentic.env or self.agentic.workflow):
             raise ValueError("rollout.runner=process is not built for agentic episodes (agentic.env or workflow "
                              "is set): their environments and gateway live in the trainer process; use thread")

@@ -100,6 +100,9 @@ def read_hf_spec(model_dir: str) -> HFModelSpec:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise CheckpointError(f"{path}: hidden_act {act!r} is not supported (only 'silu')")
+        if raw.get("use_sliding_window"):  # Qwen2/Qwen3 configs carry a window they do not use unless this is set
+            raise CheckpointError(f"{path}: use_sliding_window=true is not supported (the trainer's attention is "
+                                  "full causal: it would train another model than the checkpoint's)")
         return HFModelSpec(
             family=family,
             architecture=arch,

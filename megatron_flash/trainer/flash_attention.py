@@ -5,6 +5,8 @@ DotProductAttention interface (config `model.attention_backend`, resolved by `at
                                        the row with its cu_seqlens, causal within each sample, GQA
                                        key/value heads as they are; cost Σ l², one kernel per layer
   padded rows (SBHD)                   torch.nn.functional.scaled_dot_product_attention, causal, GQA
+  shared prefixes                      varlen_attn with the responses' keys gathered as [prompt; own]
+                                       and their own cu_seqlens (trainer/shared_prefix.py)
 
 The scale is Megatron's (1/√d or config.softmax_scale; query-key layer scaling cancels out in exact
 arithmetic, so the product of the two factors is what the kernel gets). Dropout is refused (RL
@@ -86,18 +88,26 @@ def flash_dot_product_attention() -> type:
                         params: Any) -> torch.Tensor:
                 # THD: query [T, heads, dim], key/value [T, groups, dim] → output [T, 1, heads·dim]
                 varlen_attn, causal, has_gqa = _varlen_kwargs()
-                cu = params.cu_seqlens_q.to(torch.int32)
-                longest = params.max_seqlen_q
-                if longest is None:  # one host sync; PackedSeqParams usually carries it
-                    longest = int((cu[1:] - cu[:-1]).max())
-                longest = int(longest)
+                shared = getattr(params, "mf_flash_plan", None)
+                if shared is not None:  # shared prefixes: each response's keys are [its prompt's; its own]
+                    key, value = key[shared["k_index"]], value[shared["k_index"]]
+                    cu, cu_k = shared["cu_q"], shared["cu_k"]
+                    longest, longest_k = int(shared["max_q"]), int(shared["max_k"])
+                else:
+                    cu = params.cu_seqlens_q.to(torch.int32)
+                    longest = params.max_seqlen_q
+                    if longest is None:  # one host sync; PackedSeqParams usually carries it
+                        longest = int((cu[1:] - cu[:-1]).max())
+                    longest = longest_k = int(longest)
+                    cu_k = cu
                 gqa = key.shape[1] != query.shape[1]
                 if gqa and not has_gqa:
                     repeat = query.shape[1] // key.shape[1]
                     key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
                     gqa = False
                 extra = {"enable_gqa": True} if gqa else {}
-                out = varlen_attn(query, key, value, cu, cu, longest, longest, scale=self.flash_scale,
+                # causal with fewer queries than keys is aligned at the bottom right (FlashAttention-2's rule)
+                out = varlen_attn(query, key, value, cu, cu_k, longest, longest_k, scale=self.flash_scale,
                                   **causal, **extra)
                 return out.reshape(out.shape[0], 1, -1)
 

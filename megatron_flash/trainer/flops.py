@@ -62,17 +62,32 @@ def peak_flops(device_name: Optional[str]) -> Optional[float]:
     return None
 
 
+def shared_flops(spec: HFModelSpec, prefix: int, lengths: Sequence[int], *, adapter_weights: int = 0) -> float:
+    """Model FLOPs of samples of these lengths that share their first `prefix` tokens
+    (trainer.shared_prefix): the matmuls over the prefix once plus every sample's rest, and the
+    attention pairs each token has (the prefix on itself; a response token on the prefix and on its own
+    earlier tokens)."""
+    n = matmul_weights_per_token(spec)
+    per_token = 4 * n + 6 * adapter_weights if adapter_weights else 6 * n
+    ad = spec.num_attention_heads * spec.head_dim
+    rests = [length - prefix for length in lengths]
+    pairs = prefix * (prefix + 1) // 2 + sum(r * prefix + r * (r + 1) // 2 for r in rests)
+    return float(per_token * (prefix + sum(rests)) + 12 * ad * pairs * spec.num_layers)
+
+
 def step_speed(spec: HFModelSpec, lengths: Sequence[int], *, seconds: float, num_gpus: int,
-               device: "torch.device", adapter_weights: int = 0) -> dict[str, Optional[float]]:
+               device: "torch.device", adapter_weights: int = 0,
+               flops: Optional[float] = None) -> dict[str, Optional[float]]:
     """A train step's speed metrics: mfu (null without a known peak), tokens_per_s_per_gpu,
     model_tflops_per_gpu, and peak_mem_gb: on CUDA the step's peak of allocated memory (the caller
-    resets the peak at the start of the step), on a CPU the process's peak resident set so far."""
+    resets the peak at the start of the step), on a CPU the process's peak resident set so far.
+    `flops`: the step's model FLOPs when they are not those of `lengths` (shared prefixes)."""
     import resource
 
     import torch
 
     seconds = max(seconds, 1e-9)
-    flops = train_flops(spec, lengths, adapter_weights=adapter_weights)
+    flops = flops if flops is not None else train_flops(spec, lengths, adapter_weights=adapter_weights)
     on_cuda = device.type == "cuda"
     peak = peak_flops(torch.cuda.get_device_name(device)) if on_cuda else None
     if on_cuda:

@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_flash.types import TrainBatch
+from megatron_flash.trainer import shared_prefix
 from megatron_flash.trainer.packing import (
     SampleTooLong,
     cu_seqlens,
@@ -48,6 +49,9 @@ class Micro:
     routable: Optional[torch.Tensor] = None  # [r, T] bool: a token (a filler's too), not padding
     routes: Optional[torch.Tensor] = None  # [r, T, layers * top_k] the engine's experts (routing replay)
     routed: Optional[torch.Tensor] = None  # [r, T] bool: the token has a recorded route
+    extra_src: Optional[torch.Tensor] = None  # shared prefixes: [K] row positions whose logits predict
+    extra_rows: Optional[torch.Tensor] = None  # [K] this micro-batch's sample …
+    extra_cols: Optional[torch.Tensor] = None  # [K] … token at this column (trainer/shared_prefix.py)
 
     @property
     def row_len(self) -> int:
@@ -59,13 +63,14 @@ class Micro:
         if self.index is None:
             return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, self.row_len - x.shape[1]))
         row = x.new_zeros((1, self.row_len) + tuple(x.shape[2:]))
-        valid = self.valid.to(x.device)
+        valid = self.valid.to(x.device) & (self.index.to(x.device) < self.row_len)  # extras are not in the row
         row[0, self.index.to(x.device)[valid]] = x[valid]
         return row
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """[1, T, ...] per-position values of the packed row → [n, w, ...]; padding positions 0.
-        Column 0 of each sample is 0 too (nothing in the sample predicts its first token)."""
+        Column 0 of each sample is 0 too (nothing in the sample predicts its first token). With
+        shared prefixes x is [1, T + K, ...]: the row's values, then those of the extras."""
         if self.index is None:
             return x
         out = x[0][self.index.to(x.device)]
@@ -81,6 +86,7 @@ class BatchingOptions:
     micro_batch_size: int = 4  # samples per micro-batch (a cap when packing)
     max_tokens: int = 0  # packing: token budget per micro-batch, 0 = none
     max_seq_len: int = 0  # longest sample accepted, 0 = no check
+    shared_prefix: bool = False  # a group's samples share their prompt in one segment (trainer/shared_prefix.py)
     pad_multiple: int = 1  # rows padded to a multiple of this (TP size, for sequence parallel)
     equal_rows: bool = False  # pipeline parallel: every row of the step has the same length
     equal_counts: bool = False  # expert parallel: every DP rank runs the same number of micro-batches
@@ -118,11 +124,16 @@ def _fields(batch: TrainBatch, rows: torch.Tensor, width: int, device: torch.dev
 
 def _packed(batch: TrainBatch, lengths: list[int], opts: BatchingOptions, *, dp_rank: int,
             dp_size: int, device: torch.device) -> list[Micro]:
+    units = None
+    if opts.shared_prefix and batch.group_ids is not None and batch.prompt_lengths is not None:
+        units = shared_prefix.shared_units(batch.tokens, lengths, batch.prompt_lengths.tolist(),
+                                           batch.group_ids.tolist(), max_tokens=opts.max_tokens,
+                                           max_samples=opts.micro_batch_size)
     plan = plan_micro_batches(lengths, dp_size=dp_size, max_tokens=opts.max_tokens,
                               max_samples=opts.micro_batch_size, pad_multiple=opts.pad_multiple,
                               equal_rows=opts.equal_rows, equal_counts=opts.equal_counts,
                               min_micro_batches=opts.min_micro_batches,
-                              micro_batch_multiple=opts.micro_batch_multiple)[dp_rank]
+                              micro_batch_multiple=opts.micro_batch_multiple, units=units)[dp_rank]
     tokens = batch.tokens
     micro = []
     for mb in plan:
@@ -131,13 +142,23 @@ def _packed(batch: TrainBatch, lengths: list[int], opts: BatchingOptions, *, dp_
         fields = _fields(batch, rows, width, device)
         if mb.filler:  # trains nothing; its logprobs are never reported
             fields = fields.replace(loss_mask=torch.zeros_like(fields.loss_mask))
-        row, positions = packed_inputs(mb, tokens, pad_id=0)
-        index, valid = unpack_index(mb, width)
+        layout = None
+        if mb.segments and not mb.filler:
+            layout = shared_prefix.row_layout(mb, tokens, width)
+            row, positions, index, valid = layout.tokens, layout.positions, layout.index, layout.valid
+        else:
+            row, positions = packed_inputs(mb, tokens, pad_id=0)
+            index, valid = unpack_index(mb, width)
         real = torch.arange(mb.row_len)[None, :] < (0 if mb.filler else mb.num_tokens)
         m = Micro(tokens=row.to(device), positions=positions.to(device), fields=fields,
                   sample_ids=torch.full((1,), -1) if mb.filler else rows, index=index, valid=valid, real=real,
                   routable=torch.arange(mb.row_len)[None, :] < mb.num_tokens)
         m.packed_seq_params = packed_seq_params(mb.segment_lengths(), device)
+        if layout is not None:
+            shared_prefix.attach(m.packed_seq_params, layout, device)
+            if layout.extra_src.numel():
+                m.extra_src, m.extra_rows, m.extra_cols = (t.to(device) for t in
+                                                           (layout.extra_src, layout.extra_rows, layout.extra_cols))
         if batch.routed_experts is not None and not mb.filler:
             m.routes = torch.cat([batch.routed_experts[i, :n] for i, n in zip(mb.indices, mb.lengths)]
                                  + [batch.routed_experts.new_zeros(mb.row_len - mb.num_tokens,

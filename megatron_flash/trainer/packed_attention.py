@@ -11,6 +11,12 @@ This one cuts the row at `cu_seqlens` and runs Megatron's own DotProductAttentio
 GQA-expanded) on each sample, batching samples of equal length into one call. Attention therefore
 costs Σ l² for samples of lengths l, as with TE, not T² for the row: a block-diagonal mask over the
 whole row would spend most of its time on masked-out pairs when many short samples share a row.
+
+Shared prefixes (trainer/shared_prefix.py) bring a plan of their own (`mf_local_plan`, built on the
+host with the micro-batch): per shape, the rows' query and key positions of the sequences batched
+together, and for a response the bottom-right causal mask over [its prompt's keys; its own] (query
+i sees the prompt and its own first i + 1 tokens): Megatron's DotProductAttention with that mask
+computes, for each response token, the very scores and softmax of the unshared sample's row.
 """
 
 from __future__ import annotations
@@ -36,6 +42,14 @@ def packed_dot_product_attention() -> type:
                 if packed_seq_params is None:
                     return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                            attention_bias=attention_bias)
+                plan = getattr(packed_seq_params, "mf_local_plan", None)
+                if plan is not None:
+                    out = query.new_empty(query.shape[0], 1, query.shape[1] * query.shape[2])
+                    for q_index, k_index, mask in plan:
+                        context = super().forward(query[q_index], key[k_index], value[k_index], mask,
+                                                  attn_mask_type=attn_mask_type)  # [sq, b, heads·dim]
+                        out[q_index.reshape(-1), 0] = context.reshape(q_index.numel(), -1)
+                    return out
                 # THD: query [T, heads, dim], key/value [T, groups, dim] → output [T, 1, heads·dim]
                 bounds = packed_seq_params.cu_seqlens_q.tolist()
                 by_length: dict[int, list[int]] = defaultdict(list)

@@ -27,7 +27,7 @@ First fit on r0 [9, 3, 2] gives bins [9], [3, 2]; on r1 [7, 5, 1] gives [7, 1], 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -38,21 +38,41 @@ class SampleTooLong(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class MicroBatch:
-    """One packed row: samples `indices` (into the global batch) laid end to end in that order."""
+    """One packed row: samples `indices` (into the global batch) laid end to end in that order.
+
+    `segments` (trainer.shared_prefix): the row's attention segments as (samples, shared prefix
+    length), in order over `indices`; a segment (k, P) with P > 0 holds k samples of one prompt of P
+    tokens, laid out as the prompt once and then each sample's tokens after it (trainer/shared_prefix.py).
+    Empty: every sample is a segment of its own."""
 
     indices: tuple[int, ...]
     lengths: tuple[int, ...]
-    row_len: int  # tokens in the row, padding included (>= sum(lengths))
+    row_len: int  # tokens in the row, padding included (>= num_tokens)
     filler: bool = False  # a rank with no sample: sample 0's first token, trains nothing
+    segments: tuple[tuple[int, int], ...] = ()
+
+    def segment_spans(self) -> list[tuple[int, int]]:
+        """(samples, shared prefix length) per segment; (1, 0) per sample when nothing is shared."""
+        return list(self.segments) or [(1, 0)] * len(self.indices)
+
+    def physical_lengths(self) -> list[int]:
+        """Tokens of each segment in the row (a shared prefix once)."""
+        out, i = [], 0
+        for k, prefix in self.segment_spans():
+            lens = self.lengths[i:i + k]
+            out.append(prefix + sum(n - prefix for n in lens))
+            i += k
+        return out
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.lengths)
+        return sum(self.physical_lengths())
 
     def segment_lengths(self) -> list[int]:
-        """Lengths of the row's attention segments: each sample, then the padding tail (if any)."""
+        """Lengths of the row's attention segments: each sample (or shared segment), then the padding
+        tail (if any)."""
         tail = self.row_len - self.num_tokens
-        return list(self.lengths) + ([tail] if tail else [])
+        return self.physical_lengths() + ([tail] if tail else [])
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -60,7 +80,8 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def balance_over_ranks(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
-    """Sample indices per DP rank, longest first, each to the rank with the fewest tokens so far."""
+    """Sample indices (or unit indices, `lengths` = their tokens) per DP rank, longest first, each to
+    the rank with the fewest tokens so far."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     loads = [0] * dp_size
     ranks: list[list[int]] = [[] for _ in range(dp_size)]
@@ -72,26 +93,48 @@ def balance_over_ranks(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
 
 
 def _first_fit(indices: Sequence[int], lengths: Sequence[int], *, max_tokens: int,
-               max_samples: int) -> list[list[int]]:
+               max_samples: int, counts: Optional[Sequence[int]] = None) -> list[list[int]]:
+    """First-fit decreasing of items (samples, or shared-prefix units of `counts` samples each)."""
+    counts = counts or [1] * len(lengths)
     bins: list[list[int]] = []
     used: list[int] = []
+    held: list[int] = []
     for i in sorted(indices, key=lambda i: (-lengths[i], i)):
         for b, members in enumerate(bins):
             fits = max_tokens <= 0 or used[b] + lengths[i] <= max_tokens
-            if fits and len(members) < max_samples:
+            if fits and held[b] + counts[i] <= max_samples:
                 members.append(i)
                 used[b] += lengths[i]
+                held[b] += counts[i]
                 break
         else:
             bins.append([i])
             used.append(lengths[i])
+            held.append(counts[i])
     return bins
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """What the plan places whole: one sample (prefix 0), or samples of one group sharing their first
+    `prefix` tokens (trainer.shared_prefix), laid out as the prefix once and then each sample's rest."""
+
+    samples: tuple[int, ...]
+    prefix: int = 0
+
+    def tokens(self, lengths: Sequence[int]) -> int:
+        return self.prefix + sum(lengths[i] - self.prefix for i in self.samples)
 
 
 def plan_micro_batches(lengths: Sequence[int], *, dp_size: int, max_tokens: int = 0, max_samples: int,
                        pad_multiple: int = 1, equal_rows: bool = False, equal_counts: bool = False,
-                       min_micro_batches: int = 1, micro_batch_multiple: int = 1) -> list[list[MicroBatch]]:
+                       min_micro_batches: int = 1, micro_batch_multiple: int = 1,
+                       units: Optional[Sequence[Unit]] = None) -> list[list[MicroBatch]]:
     """Micro-batches for every DP rank (list index = DP rank).
+
+    `units` (trainer.shared_prefix, trainer/shared_prefix.py makes them): place these units whole
+    instead of single samples; the budget and the DP balance count a unit's tokens once per prefix,
+    `max_samples` its samples.
 
     `min_micro_batches` / `micro_batch_multiple`: the interleaved pipeline schedule needs at least PP
     micro-batches and a count it can group by PP; extra micro-batches are fillers (sample 0's first token).
@@ -107,11 +150,15 @@ def plan_micro_batches(lengths: Sequence[int], *, dp_size: int, max_tokens: int 
             if n > max_tokens:
                 raise SampleTooLong(f"sample {i} has {n} tokens (prompt + response), more than "
                                     f"trainer.max_tokens_per_micro_batch={max_tokens}")
+    # Items: every sample alone, or (trainer.shared_prefix) units of samples that share a prompt.
+    items = [Unit((i,), 0) for i in range(len(lengths))] if units is None else list(units)
+    sizes = [u.tokens(lengths) for u in items]
+    counts = [len(u.samples) for u in items]
     plans: list[list[list[int]]] = [
-        _first_fit(mine, lengths, max_tokens=max_tokens, max_samples=max_samples)
-        for mine in balance_over_ranks(lengths, dp_size)
+        _first_fit(mine, sizes, max_tokens=max_tokens, max_samples=max_samples, counts=counts)
+        for mine in balance_over_ranks(sizes, dp_size)
     ]
-    rows = [round_up(max(sum(lengths[i] for i in b), 1), pad_multiple) for bins in plans for b in bins]
+    rows = [round_up(max(sum(sizes[i] for i in b), 1), pad_multiple) for bins in plans for b in bins]
     common = max(rows, default=pad_multiple) if equal_rows else 0
     if equal_counts:
         min_micro_batches = max([min_micro_batches] + [len(bins) for bins in plans])
@@ -119,9 +166,11 @@ def plan_micro_batches(lengths: Sequence[int], *, dp_size: int, max_tokens: int 
     for bins in plans:
         mbs = []
         for b in bins:
-            lens = tuple(lengths[i] for i in b)
-            mbs.append(MicroBatch(indices=tuple(b), lengths=lens,
-                                  row_len=common or round_up(sum(lens), pad_multiple)))
+            samples = tuple(i for u in b for i in items[u].samples)
+            lens = tuple(lengths[i] for i in samples)
+            segments = tuple((len(items[u].samples), items[u].prefix) for u in b) if units is not None else ()
+            mbs.append(MicroBatch(indices=samples, lengths=lens, segments=segments,
+                                  row_len=common or round_up(sum(sizes[u] for u in b), pad_multiple)))
         count = max(len(mbs), min_micro_batches)
         count = round_up(count, micro_batch_multiple)
         filler_len = common or round_up(1, pad_multiple)

@@ -18,6 +18,7 @@ same gradient. The trainer never looks at which loss it runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from functools import partial
@@ -53,6 +54,7 @@ from megatron_flash.trainer.model_builder import (
 )
 from megatron_flash.hf.spec import HFModelSpec, read_hf_spec
 from megatron_flash.trainer.settings import PolicySettings
+from megatron_flash.trainer.shared_prefix import check_shared_prefix, step_flops
 from megatron_flash.trainer.weight_health import grad_state, weights_finite
 from megatron_flash.types import TrainBatch
 
@@ -96,6 +98,7 @@ class MegatronPolicy:
                         recompute=s.scale.recompute)
         self.uses_te = use_te(s.use_transformer_engine)
         check_lora(self.spec, s.lora, uses_te=self.uses_te)
+        check_shared_prefix(self.spec, enabled=s.shared_prefix, uses_te=self.uses_te)
         self.attention = attention_backend(s.attention_backend, uses_te=self.uses_te, dtype=s.dtype)
         check_scale_options(s.scale, optimizer=s.optimizer, uses_te=self.uses_te)
         self.layout: Layout = init_distributed(tp_size=s.tp_size, pp_size=s.pp_size, seed=s.seed, backend=s.backend,
@@ -208,14 +211,18 @@ class MegatronPolicy:
         # all-gather dispatcher needs the same token count on every rank.
         allgather = ep > 1 and moe_dispatcher(s.moe) == "allgather"
         return BatchingOptions(
-            pack=s.pack_sequences, micro_batch_size=s.micro_batch_size, max_tokens=s.max_tokens_per_micro_batch,
+            pack=s.pack_sequences, shared_prefix=s.shared_prefix,
+            micro_batch_size=s.micro_batch_size, max_tokens=s.max_tokens_per_micro_batch,
             max_seq_len=s.max_seq_len, pad_multiple=s.tp_size,  # sequence parallel splits rows over TP
             equal_rows=pp > 1 or allgather, equal_counts=ep > 1, min_micro_batches=pp if interleaved else 1,
             micro_batch_multiple=pp if interleaved else 1,
         )
 
-    def _micro_batches(self, batch: TrainBatch) -> list[Micro]:
-        return build_micro_batches(batch, self._batching(), dp_rank=self.layout.dp_rank,
+    def _micro_batches(self, batch: TrainBatch, *, share: bool = True) -> list[Micro]:
+        opts = self._batching()
+        if not share:
+            opts = dataclasses.replace(opts, shared_prefix=False)
+        return build_micro_batches(batch, opts, dp_rank=self.layout.dp_rank,
                                    dp_size=self.layout.dp_size, device=self.device)
 
     def _logprobs_of(self, output: torch.Tensor, m: Micro, *, temperature: float, with_entropy: bool
@@ -226,16 +233,26 @@ class MegatronPolicy:
 
         tokens = m.tokens
         targets = tokens[:, 1:]
-        extra = m.fields.teacher_topk_ids
-        if extra is not None:  # one pass for the sampled token and the teacher's K (loss-view → model row)
-            targets = torch.cat([targets.unsqueeze(-1), m.pack(extra)[:, 1:].to(targets.device)], dim=-1)
-        lp, ent = vocab_parallel_logprobs(
-            output[:, :-1], targets, vocab_size=self.spec.vocab_size, tp_rank=self.layout.tp_rank,
-            tp_size=self.layout.tp_size, tp_group=ps.get_tensor_model_parallel_group(),
-            temperature=temperature, with_entropy=with_entropy,
-        )
+        topk = m.fields.teacher_topk_ids
+        if topk is not None:  # one pass for the sampled token and the teacher's K (loss-view → model row)
+            targets = torch.cat([targets.unsqueeze(-1), m.pack(topk)[:, 1:].to(targets.device)], dim=-1)
+
+        def score(out: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+            return vocab_parallel_logprobs(
+                out, tgt, vocab_size=self.spec.vocab_size, tp_rank=self.layout.tp_rank,
+                tp_size=self.layout.tp_size, tp_group=ps.get_tensor_model_parallel_group(),
+                temperature=temperature, with_entropy=with_entropy)
+
+        lp, ent = score(output[:, :-1], targets)
+        if m.extra_src is not None:  # shared prefixes: each response's first token from the prompt's last logits
+            pairs = m.fields.tokens[m.extra_rows, m.extra_cols]
+            if topk is not None:
+                pairs = torch.cat([pairs[:, None], topk[m.extra_rows, m.extra_cols]], dim=-1)
+            lp_x, ent_x = score(output[:, m.extra_src], pairs[None].to(targets.device))
+            lp = torch.cat([lp, lp_x], dim=1)  # the extras after the row: index T + k (trainer/shared_prefix.py)
+            ent = None if ent is None else torch.cat([ent, ent_x], dim=1)
         top = None
-        if extra is not None:
+        if topk is not None:
             lp, top = lp[..., 0], lp[..., 1:]
             top = m.unpack(torch.cat([top.new_zeros(top.shape[0], 1, top.shape[-1]), top], dim=1))
         zero = lp.new_zeros(lp.shape[0], 1)
@@ -303,7 +320,8 @@ class MegatronPolicy:
         self._check_routes(batch, required=not own_routing)
         micro = self._micro_batches(TrainBatch(tokens=batch.tokens, lengths=batch.lengths,
                                                loss_mask=torch.zeros_like(batch.tokens, dtype=torch.float32),
-                                               routed_experts=batch.routed_experts))
+                                               routed_experts=batch.routed_experts, group_ids=batch.group_ids,
+                                               prompt_lengths=batch.prompt_lengths))
 
         def factory(m: Micro) -> Callable[[torch.Tensor], Any]:
             def loss_func(output: torch.Tensor) -> Any:
@@ -327,7 +345,7 @@ class MegatronPolicy:
         from megatron.core import parallel_state as ps
 
         micro = self._micro_batches(TrainBatch(tokens=tokens, lengths=lengths,
-                                               loss_mask=torch.zeros_like(tokens, dtype=torch.float32)))
+                                               loss_mask=torch.zeros_like(tokens, dtype=torch.float32)), share=False)
 
         def factory(m: Micro) -> Callable[[torch.Tensor], Any]:
             def loss_func(output: torch.Tensor) -> Any:
@@ -401,9 +419,12 @@ class MegatronPolicy:
             metrics.update(self.routing.collect(self.device))
         rows, width = batch.tokens.shape
         lengths = batch.lengths.tolist() if batch.lengths is not None else [width] * rows
+        s, adapters = self.settings, adapter_weights_per_token(self.spec, self.settings.lora)
+        flops = step_flops(self.spec, batch, lengths, max_tokens=s.max_tokens_per_micro_batch,
+                           max_samples=s.micro_batch_size, adapter_weights=adapters) if s.shared_prefix else None
         metrics.update(step_speed(self.spec, lengths, seconds=time.perf_counter() - started,  # host-synced above
-                                  num_gpus=self.layout.world_size, device=self.device,
-                                  adapter_weights=adapter_weights_per_token(self.spec, self.settings.lora)))
+                                  num_gpus=self.layout.world_size, device=self.device, adapter_weights=adapters,
+                                  flops=flops))
         return metrics
 
     def _check_routes(self, batch: TrainBatch, required: bool = True) -> TrainBatch:

@@ -15,6 +15,9 @@ same function Megatron uses for the padded layout. The two cases of Megatron's f
   freqs has the longest length's rows              → freqs[position within the sample] (positions
                                                      restart at every sample: what packing needs)
 
+A row with shared prefixes (trainer/shared_prefix.py) carries its tokens' positions on its
+cu_seqlens tensor (`mf_positions`): Megatron hands exactly that tensor to this function.
+
 Context parallelism (cp > 1) keeps Megatron's function (each rank holds two chunks per sample); the
 trainer refuses cp > 1 anyway. `install()` swaps the function in once; tests/unit/test_rope.py
 compares it with Megatron's on CPU.
@@ -83,7 +86,10 @@ def apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: t
         return _ORIGINAL(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved, mscale=mscale,
                          cp_group=cp_group, **flag)
     rows = t.shape[0]
-    if freqs.size(0) == rows:
+    positions = getattr(cu_seqlens, "mf_positions", None)
+    if positions is not None:  # shared prefixes: each response continues from its prompt's length
+        packed = freqs[positions]
+    elif freqs.size(0) == rows:
         packed = freqs
     else:
         cu = cu_seqlens.to(device=t.device, dtype=torch.long)

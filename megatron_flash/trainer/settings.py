@@ -20,6 +20,7 @@ class PolicySettings:
     dtype: str = "float32"
     micro_batch_size: int = 4
     pack_sequences: bool = True
+    shared_prefix: bool = False
     max_tokens_per_micro_batch: int = 0
     max_seq_len: int = 0  # 0 = no check
     scale: ScaleOptions = dataclasses.field(default_factory=ScaleOptions)
@@ -38,6 +39,8 @@ class PolicySettings:
         self.optimizer.validate()
         if self.max_tokens_per_micro_batch and not self.pack_sequences:
             raise ValueError("trainer.max_tokens_per_micro_batch needs trainer.pack_sequences=true")
+        if self.shared_prefix and not self.pack_sequences:
+            raise ValueError("trainer.shared_prefix needs trainer.pack_sequences=true (shared prompts are packed segments)")
 
     @classmethod
     def from_sections(cls, *, model: "ModelConfig", parallel: "ParallelConfig", trainer: "TrainerConfig",
@@ -47,7 +50,7 @@ class PolicySettings:
         return cls(
             hf_path=model.hf_path, tp_size=p.tensor_model_parallel_size,
             pp_size=p.pipeline_model_parallel_size, dtype=model.dtype,
-            micro_batch_size=t.micro_batch_size, pack_sequences=t.pack_sequences,
+            micro_batch_size=t.micro_batch_size, pack_sequences=t.pack_sequences, shared_prefix=t.shared_prefix,
             max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, max_seq_len=t.max_seq_len,
             scale=ScaleOptions(sequence_parallel=p.sequence_parallel,
                                virtual_pipeline_size=p.virtual_pipeline_model_parallel_size,

@@ -44,6 +44,32 @@ def fixed_batch(vocab: int) -> TrainBatch:
     return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=mask, advantages=weights)
 
 
+GROUPS = ((6, (4, 9, 2, 7)), (3, (5,)), (8, (3, 6, 1)))
+"""grouped_batch: (prompt length, response lengths) per group: mixed lengths, a group of one, and a
+group of 34 tokens that a 24-token budget splits."""
+
+
+def grouped_batch(vocab: int) -> TrainBatch:
+    """8 samples in 3 groups; the samples of a group share their prompt tokens (shared-prefix tests)."""
+    gen = torch.Generator().manual_seed(321)
+    rows, lengths, prompts, groups = [], [], [], []
+    for g, (prompt_len, responses) in enumerate(GROUPS):
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=gen)
+        for r in responses:
+            rows.append(torch.cat([prompt, torch.randint(0, vocab, (r,), generator=gen)]))
+            lengths.append(prompt_len + r)
+            prompts.append(prompt_len)
+            groups.append(g)
+    tokens = torch.zeros(len(rows), 16, dtype=torch.long)
+    mask = torch.zeros(len(rows), 16)
+    for i, row in enumerate(rows):
+        tokens[i, :len(row)] = row
+        mask[i, prompts[i]:lengths[i]] = 1.0
+    return TrainBatch(tokens=tokens, lengths=torch.tensor(lengths), loss_mask=mask,
+                      advantages=torch.randn(len(rows), 16, generator=gen), group_ids=torch.tensor(groups),
+                      prompt_lengths=torch.tensor(prompts))
+
+
 def weighted_nll(mb: TrainBatch, logprobs: torch.Tensor, entropy: object):
     mask = mb.loss_mask
     return -(mb.advantages * logprobs * mask).sum(), mask.sum(), {}
@@ -101,6 +127,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-targets", default="qkv,proj,fc1,fc2")
     p.add_argument("--lora-b-std", type=float, default=0.0, help="B ~ N(0, std) instead of zeros (A then moves too)")
     p.add_argument("--lora-adapter", default="", help="start from this PEFT adapter (model.lora.adapter_path)")
+    p.add_argument("--grouped", action="store_true", help="the grouped batch (prompts shared within groups)")
+    p.add_argument("--shared-prefix", action="store_true", help="trainer.shared_prefix")
+    p.add_argument("--steps", type=int, default=1, help="optimizer steps on the batch before export1")
     p.add_argument("--reimport", action="store_true",
                    help="also build a policy from export0/adapter and export its adapter to reimport0/")
     return p
@@ -114,7 +143,7 @@ def lora_options(args: argparse.Namespace, adapter_path: str = "") -> LoraOption
 def build(args: argparse.Namespace, adapter_path: str = "") -> MegatronPolicy:
     return MegatronPolicy(PolicySettings(
         hf_path=args.hf_dir, tp_size=args.tp, pp_size=args.pp, micro_batch_size=args.micro_batch_size,
-        pack_sequences=not args.no_pack, max_tokens_per_micro_batch=args.max_tokens,
+        pack_sequences=not args.no_pack, max_tokens_per_micro_batch=args.max_tokens, shared_prefix=args.shared_prefix,
         scale=ScaleOptions(sequence_parallel=args.sp, virtual_pipeline_size=args.vpp, recompute=args.recompute,
                            context_parallel_size=args.cp,
                            recompute_num_layers=1),
@@ -127,7 +156,7 @@ def build(args: argparse.Namespace, adapter_path: str = "") -> MegatronPolicy:
 
 def run_case(args: argparse.Namespace) -> None:
     policy = build(args)
-    batch = fixed_batch(policy.spec.vocab_size)
+    batch = (grouped_batch if args.grouped else fixed_batch)(policy.spec.vocab_size)
     logprobs, _ = policy.compute_logprobs(batch)
     policy.export_hf(os.path.join(args.out, "export0"))
     if args.reimport:  # export → import → export of the adapters
@@ -152,7 +181,11 @@ def run_case(args: argparse.Namespace) -> None:
         batch = batch.replace(**rl_fields(batch, logprobs))
         if args.distill_topk:
             batch = batch.replace(**teacher_topk(batch, policy.spec.vocab_size, args.distill_topk))
-    metrics = policy.train_step(batch, loss_fn)
+    losses = []
+    for _ in range(args.steps):
+        metrics = policy.train_step(batch, loss_fn)
+        losses.append(metrics["loss"])
+    metrics["losses"] = losses
     policy.export_hf(os.path.join(args.out, "export1"))
     if dist.get_rank() == 0:
         torch.save(logprobs, os.path.join(args.out, "logprobs.pt"))

@@ -171,19 +171,30 @@ def test_tensor_parallel_trainer_under_torchrun(tiny_models, tmp_path) -> None:
 
 
 def test_rollout_only_dump_replays_in_train_only(tiny_models, tmp_path) -> None:
+    """A rollout-only dump replayed by train-only runs; the replay with trainer.shared_prefix=true (each
+    group's prompt once) gives the same loss at every one of 10 steps (π_prox recomputed through the
+    shared layout too) while computing fewer tokens."""
     dump = str(tmp_path / "groups.jsonl")
     run(small_run(tiny_models["llama"], str(tmp_path / "ro"), "trainer.mode=rollout_only",
-                       f"rollout.dump_path={dump}", "trainer.total_steps=2"), timeout=600)
+                       f"rollout.dump_path={dump}", "trainer.total_steps=10"), timeout=600)
     with open(dump) as f:
         groups = [json.loads(line) for line in f]
-    assert len(groups) >= 8 and all(len(g["samples"]) == 4 for g in groups)
+    assert len(groups) >= 40 and all(len(g["samples"]) == 4 for g in groups)
     s = groups[0]["samples"][0]
     assert len(s["response_ids"]) == len(s["behavior_logprobs"]) > 0
-    run_dir = str(tmp_path / "to")
-    run(small_run(tiny_models["llama"], run_dir, "trainer.mode=train_only", f"trainer.replay_path={dump}",
-                       "trainer.total_steps=2"), timeout=600)
-    assert [r["version"] for r in metrics(run_dir)] == [1, 2]
-    for d in (run_dir, str(tmp_path / "ro")):  # logging.trace off: nothing written
+    runs = {}
+    for shared in (False, True):
+        run_dir = runs[shared] = str(tmp_path / ("to_shared" if shared else "to"))
+        run(small_run(tiny_models["llama"], run_dir, "trainer.mode=train_only", f"trainer.replay_path={dump}",
+                      "trainer.total_steps=10", f"trainer.shared_prefix={str(shared).lower()}"), timeout=600)
+    plain, shared = metrics(runs[False]), metrics(runs[True])
+    assert [r["version"] for r in plain] == [r["version"] for r in shared] == list(range(1, 11))
+    for a, b in zip(plain, shared):
+        assert abs(a["train/loss"] - b["train/loss"]) <= 1e-6, (a["train/loss"], b["train/loss"])
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5, abs=1e-7)
+        assert b["train/tokens_computed"] < a["train/tokens_computed"]
+    assert any(r["train/loss"] != 0 for r in plain)
+    for d in (runs[False], str(tmp_path / "ro")):  # logging.trace off: nothing written
         assert not [f for f in os.listdir(d) if f.startswith("trace")], os.listdir(d)
 
 

@@ -44,6 +44,14 @@ def test_unsupported_architecture_lists_supported(tmp_path) -> None:
         read_hf_spec(d)
 
 
+def test_sliding_window_attention_is_refused(tmp_path) -> None:
+    """A window the checkpoint does not use (Qwen2's sliding_window with use_sliding_window=false) is fine."""
+    qwen2 = {**CONFIG, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096, "use_sliding_window": False}
+    assert read_hf_spec(write_dir(tmp_path / "a", qwen2)).family == "qwen2"
+    with pytest.raises(CheckpointError, match="use_sliding_window=true is not supported"):
+        read_hf_spec(write_dir(tmp_path / "b", {**qwen2, "use_sliding_window": True}))
+
+
 MOE_CONFIG = {**CONFIG, "architectures": ["Qwen3MoeForCausalLM"], "head_dim": 16, "num_experts": 8,
               "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
               "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001}

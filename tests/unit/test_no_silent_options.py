@@ -65,6 +65,7 @@ ALTERNATIVES: dict[str, list[str]] = {
     "trainer.replay_path": ["trainer.replay_path=groups.jsonl"],
     "trainer.pack_sequences": ["trainer.pack_sequences=false"],
     "trainer.max_tokens_per_micro_batch": ["trainer.max_tokens_per_micro_batch=256"],
+    "trainer.shared_prefix": ["trainer.shared_prefix=true"],
     "trainer.recompute": ["trainer.recompute=selective"],
     "trainer.recompute_method": ["trainer.recompute_method=block"],
     "trainer.recompute_num_layers": ["trainer.recompute_num_layers=2"],
@@ -82,6 +83,7 @@ ACCEPTED = {
                                         "trainer.recompute_num_layers=2"],
     "packed by budget": ["trainer.max_tokens_per_micro_batch=4096"],
     "padded": ["trainer.pack_sequences=false"],
+    "shared prefixes by budget": ["trainer.shared_prefix=true", "trainer.max_tokens_per_micro_batch=4096"],
 }
 
 
@@ -99,7 +101,8 @@ def megatron_view(overrides: list[str], spec: HFModelSpec = SPEC) -> dict[str, A
         "initialize_model_parallel": (s.tp_size, s.pp_size, s.scale.virtual_pipeline_size,
                                       s.scale.context_parallel_size, s.backend, s.seed, s.collective_timeout_s,
                                       s.moe.ep_size, s.moe.etp_size),
-        "micro_batches": (s.pack_sequences, s.micro_batch_size, s.max_tokens_per_micro_batch, s.max_seq_len),
+        "micro_batches": (s.pack_sequences, s.micro_batch_size, s.max_tokens_per_micro_batch, s.max_seq_len,
+                          s.shared_prefix),
         "scheduler": s.optimizer_steps,
         "router_replay": s.moe.routing_replay,  # the routers' replay action (trainer/routing_replay.py)
     }

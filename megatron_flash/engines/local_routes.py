@@ -84,6 +84,7 @@ async def server_info(request: Request) -> dict:
             "memory_released": sorted(engine._released), "memory_releases": engine.num_releases,
             "num_live_requests": len(engine._live),
             "weight_update_shared_memory": True,  # /update_weights_from_shared_memory (staged ipc)
+            "enable_lora": engine.lora_enabled, "loaded_adapters": engine.loaded_adapters(),
             "device": str(engine.device), "device_uuid": engine.device_uuid,
             "dtype": str(engine.dtype).removeprefix("torch."),
             "step_profile": engine.step_profile.snapshot(), **engine.memory_bytes()}

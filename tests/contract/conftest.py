@@ -128,7 +128,9 @@ def launch_engine(backend: str, model_dir: str, log_dir: str, *, api_key: str | 
 @pytest.fixture(scope="session", params=BACKENDS)
 def engine(request: pytest.FixtureRequest, tiny_models: dict[str, str],
            tmp_path_factory: pytest.TempPathFactory) -> Any:
-    server = launch_engine(request.param, tiny_models["llama"], str(tmp_path_factory.mktemp("engine_logs")))
+    # the local engine serves LoRA adapters only when asked (test_lora_adapters.py); SGLang gets its own server
+    server = launch_engine(request.param, tiny_models["llama"], str(tmp_path_factory.mktemp("engine_logs")),
+                           local_args=["--enable-lora"])
     yield server
     server.stop()
 

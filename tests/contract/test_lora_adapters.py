@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.contract.conftest import launch_engine
-from tests.contract.helpers import post
+from tests.contract.helpers import http, post
 
 IDS = [5, 9, 12, 7, 3, 22, 14, 8, 11, 6]
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -37,9 +37,16 @@ SGLANG_LORA = ["--enable-lora", "--lora-backend", "torch_native", "--max-lora-ra
 
 @pytest.fixture(scope="module")
 def lora_engine(engine, tiny_models, tmp_path_factory):
-    """The session engine's backend, started again with LoRA on (a launch flag)."""
+    """The local session engine (started with --enable-lora), left with no adapter; SGLang needs LoRA
+    at launch, so its own server."""
+    if engine.local:
+        yield engine
+        for name in list(http("GET", engine.url + "/get_server_info")[1].get("loaded_adapters", {})):
+            post(engine.url + "/unload_lora_adapter", {"lora_name": name})
+        assert not http("GET", engine.url + "/get_server_info")[1].get("loaded_adapters"), "adapters left behind"
+        return
     server = launch_engine(engine.backend, tiny_models["llama"], str(tmp_path_factory.mktemp("lora_engine")),
-                           sglang_args=SGLANG_LORA, local_args=["--enable-lora"])
+                           sglang_args=SGLANG_LORA)
     yield server
     server.stop()
 

@@ -707,7 +707,7 @@ class WeightSyncConfig(_Section):
     the model dtype, a full-weight push any engine takes; adapter: only the adapter tensors (PEFT
     names, a versioned adapter name), which the local engine merges into its own float32-exact copy
     of the base and SGLang loads through its LoRA API (ipc or disk transport); auto: adapter with
-    engines.backend=local, merged otherwise. Refused without model.lora."""
+    engines.backend=local (not colocated), merged otherwise. Refused without model.lora."""
 
     def validate(self) -> None:
         self._one_of("transport", WEIGHT_TRANSPORTS)
@@ -1063,7 +1063,7 @@ class RunConfig:
             return ""
         if self.weight_sync.lora != "auto":
             return self.weight_sync.lora
-        local = self.engines.backend == "local" and self.weight_sync.transport != "broadcast"
+        local = self.engines.backend == "local" and self.weight_sync.transport != "broadcast" and not self.engines.colocate
         return "adapter" if local else "merged"
 
     def off_policy_reason(self) -> str:
@@ -1147,6 +1147,10 @@ class RunConfig:
                              f"async_rl.alpha={self.async_rl.alpha}")
         if self.weight_sync.lora != "auto" and not self.model.lora.rank:
             raise ValueError(f"weight_sync.lora={self.weight_sync.lora} is only used with LoRA on (model.lora.rank > 0)")
+        if self.weight_sync.lora == "adapter" and self.engines.colocate:
+            raise ValueError("weight_sync.lora=adapter with engines.colocate=true: colocated engines give their "
+                             "weights' memory back while the trainer steps, so every push must carry the whole "
+                             "model; use weight_sync.lora=merged")
         if self.weight_sync.lora == "adapter" and self.weight_sync.transport == "broadcast":
             raise ValueError("weight_sync.lora=adapter with weight_sync.transport=broadcast: engines take adapters "
                              "through their LoRA API (tensors in shared memory, or a PEFT folder on disk), not over "

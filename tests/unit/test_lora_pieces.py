@@ -43,6 +43,8 @@ def test_targets_agree_with_the_trainer() -> None:
     (["model.lora.rank=4", "weight_sync.lora=adapter", "weight_sync.transport=broadcast"],
      "use weight_sync.transport=ipc or disk"),
     (["model.lora.rnak=4"], "did you mean 'model.lora.rank'"),
+    (["model.lora.rank=4", "weight_sync.lora=adapter", "engines.colocate=true", "async_rl.alpha=0"],
+     "use weight_sync.lora=merged"),
 ])
 def test_bad_lora_settings_are_refused_by_name(overrides: list[str], message: str) -> None:
     with pytest.raises((ConfigError, ValueError), match=None) as info:
@@ -56,6 +58,8 @@ def test_all_targets_and_the_sync_mode() -> None:
     assert cfg.lora_sync_mode() == "adapter"  # local engines take adapters
     assert load_config(None, BASE + ["model.lora.rank=8", "engines.backend=sglang"]).lora_sync_mode() == "merged"
     assert load_config(None, BASE + ["model.lora.rank=8", "weight_sync.transport=broadcast"]).lora_sync_mode() == "merged"
+    assert load_config(None, BASE + ["model.lora.rank=8", "engines.colocate=true",
+                                     "async_rl.alpha=0"]).lora_sync_mode() == "merged"
     assert load_config(None, BASE).lora_sync_mode() == ""
 
 

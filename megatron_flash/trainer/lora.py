@@ -97,6 +97,7 @@ def check_lora(spec: HFModelSpec, options: LoraOptions, *, uses_te: bool) -> Non
 @functools.lru_cache(maxsize=None)
 def _adapter_class(base: type, column: bool) -> type:
     """`base` (ColumnParallelLinear, RowParallelLinear) with a LoRA term; one class per base and kind."""
+    from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -113,7 +114,11 @@ def _adapter_class(base: type, column: bool) -> type:
 
         def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
             if self.lora_dropout and self.training and torch.is_grad_enabled():
-                x = torch.nn.functional.dropout(x, p=self.lora_dropout)
+                if column and not self.sequence_parallel:  # x is the same on every TP rank: so must its mask be
+                    x = torch.nn.functional.dropout(x, p=self.lora_dropout)
+                else:  # each rank holds its own part of x: masks of its own (Megatron's TP-rank streams)
+                    with tensor_parallel.get_cuda_rng_tracker().fork():
+                        x = torch.nn.functional.dropout(x, p=self.lora_dropout)
             h = torch.nn.functional.linear(x, self.lora_a)
             group = self.tp_group
             if column:  # h must be whole on every rank before B's rows; its gradient summed over TP

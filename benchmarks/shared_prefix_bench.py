@@ -2,7 +2,7 @@
 trainer.shared_prefix, side by side in one run.
 
     python benchmarks/trainer_throughput.py --shared-prefix --prompt-len 256 --response-len 32 --group-size 8
-    python benchmarks/trainer_throughput.py --shared-prefix --prompt-len 256 --response-len 32 --memory
+    python benchmarks/trainer_throughput.py --shared-prefix --prompt-len 256 --response-len 32 --memory --rounds 1
 
 The batch: --batch samples in groups of --group-size; each group one random prompt of --prompt-len
 tokens and its responses of --response-len tokens each (random ids; the tis loss through the product's
@@ -13,21 +13,18 @@ token budget (--max-tokens; default: the whole batch in one micro-batch).
 Last line, one JSON object: `speedup` (step time unshared ÷ shared), `flop_ratio` (model FLOPs of the
 unshared layout ÷ the shared one: trainer/flops.py, the matmuls over the tokens each layout computes plus
 each one's attention pairs), `tokens_computed_ratio` (row tokens unshared ÷ shared), the step times per
-round, and with --memory the peak memory of one step in a fresh process per layout (CUDA: peak
-allocated; CPU: peak resident set of that process, so model and optimizer included).
+round, peak_mem_gb (the process: CUDA peak allocated, CPU peak resident set), and with --memory the
+activation memory of one step per layout (`activation_gb`: the bytes autograd saves for the backward,
+each storage once: the forward's peak with the batch in one micro-batch) and `activation_ratio`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def grouped_batch(*, batch: int, group_size: int, prompt_len: int, response_len: int, vocab: int, seed: int) -> Any:
@@ -91,8 +88,7 @@ def main(args: Any, policy_factory: Any) -> int:
     layouts = {"unshared": micro(False), "shared": micro(True)}
     flops = {k: layout_flops(policy.spec, v) for k, v in layouts.items()}
     computed = {k: sum(m.tokens.numel() for m in v) for k, v in layouts.items()}
-    only = getattr(args, "only", "")
-    modes = [only] if only else ["unshared", "shared"]
+    modes = ["unshared", "shared"]
 
     def sync() -> None:
         if torch.cuda.is_available():
@@ -111,7 +107,7 @@ def main(args: Any, policy_factory: Any) -> int:
     seconds: dict[str, list[float]] = {m: [] for m in modes}
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    for r in range(1 if only else args.rounds):
+    for r in range(args.rounds):
         for mode in modes:
             seconds[mode].append(run(mode))
             print(f"[round {r}] {mode}: {seconds[mode][-1]:.3f} s/step", file=sys.stderr, flush=True)
@@ -127,25 +123,36 @@ def main(args: Any, policy_factory: Any) -> int:
     }
     step = {m: statistics.mean(v) for m, v in seconds.items()}
     out["step_s"] = step
-    if not only:
-        out["speedup"] = step["unshared"] / step["shared"]
-        out["speedup_over_flop_ratio"] = out["speedup"] / out["flop_ratio"]
+    out["speedup"] = step["unshared"] / step["shared"]
+    out["speedup_over_flop_ratio"] = out["speedup"] / out["flop_ratio"]
     import resource
 
     out["peak_mem_gb"] = (torch.cuda.max_memory_allocated() if torch.cuda.is_available() else
                           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1e3) / 1e9
+    if getattr(args, "memory", False):
+        saved = {}
+        for mode in modes:
+            s.shared_prefix = mode == "shared"
+            saved[mode] = activation_bytes(policy, batch, loss_fn)
+        out["activation_gb"] = {m: v / 1e9 for m, v in saved.items()}
+        out["activation_ratio"] = saved["unshared"] / saved["shared"]
     destroy_distributed()
-    if getattr(args, "memory", False) and not only:
-        out["peak_mem_gb_per_layout"] = {m: memory_of(m) for m in modes}
     print(json.dumps(out))
     return 0
 
 
-def memory_of(mode: str) -> float:
-    """Peak memory of this benchmark's step with one layout only, in a fresh process."""
-    argv = [a for a in sys.argv[1:] if a != "--memory"]
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "trainer_throughput.py"), *argv,
-                           "--only", mode, "--rounds", "1"], capture_output=True, text=True, cwd=REPO)
-    if proc.returncode:
-        raise SystemExit(f"--memory: the {mode} step failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])["peak_mem_gb"]
+def activation_bytes(policy: Any, batch: Any, loss_fn: Any) -> int:
+    """Bytes of the tensors autograd keeps for the backward of one training step (each storage once):
+    with the batch in one micro-batch, the forward's activation memory at its peak, on any device."""
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        policy.train_step(batch, loss_fn)
+    return sum(seen.values())

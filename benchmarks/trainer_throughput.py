@@ -172,7 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--response-len", type=int, default=32, help="--shared-prefix: tokens of every response")
     p.add_argument("--group-size", type=int, default=8, help="--shared-prefix: responses per prompt")
     p.add_argument("--memory", action="store_true", help="--shared-prefix: peak memory of each layout (own process)")
-    p.add_argument("--only", default="", choices=["", "shared", "unshared"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""

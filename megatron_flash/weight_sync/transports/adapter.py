@@ -20,7 +20,7 @@ import io
 import logging
 import os
 import shutil
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Callable, ClassVar, Sequence
 
 from megatron_flash.engines.client_replies import lora_adapter_name, lora_adapter_version
 from megatron_flash.weight_sync.calls import Errors

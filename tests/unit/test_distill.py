@@ -265,7 +265,8 @@ def test_local_engine_answers_top_logprobs_for_scoring_requests_only() -> None:
 
     from megatron_flash.engines.generate_request import parse_generate
 
-    engine = SimpleNamespace(vocab_size=32, tokenizer=None, validate=lambda ids, spec: None, has_request=lambda r: False)
+    engine = SimpleNamespace(vocab_size=32, tokenizer=None, validate=lambda ids, spec: None, has_request=lambda r: False,
+                             adapter_for_request=lambda name: None)  # serves the base model, no adapter
     item = parse_generate(engine, {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 1,
                                    "top_logprobs_num": 4, "sampling_params": {"max_new_tokens": 1}})[0]
     assert item["top_logprobs_num"] == 4

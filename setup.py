@@ -45,7 +45,8 @@ setup(
         # The set CI pins (Python 3.11: megatron-core 0.16.1 is the newest that supports it).
         "cpu": ["torch==2.13.0", "megatron-core==0.16.1", "transformers==5.23.0", "omegaconf==2.4.0",
                 "wandb==0.31.0", "tensorboard==2.21.0", "datasets==5.2.0", "math-verify==0.9.0"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7",  # matplotlib: benchmark plots
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5",  # make test runs two workers
+                "matplotlib>=3.7",  # matplotlib: benchmark plots
                 "openai>=1.40",  # the agent gateway is tested with the official client
                 "peft>=0.17"],  # LoRA exports are checked with PEFT's own loader
         "report": ["matplotlib>=3.7"],  # tools/report.py (pinned in requirements/cpu-lock.txt)

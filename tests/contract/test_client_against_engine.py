@@ -61,6 +61,10 @@ def test_abort_by_rid_and_abort_all_return_partial_outputs(server) -> None:
 
     async def go():
         async with EngineClient(server.url) as c:
+            # the server is shared: requests an earlier test left running would hold the KV of the
+            # first wave, and every request here would then be aborted while still queued
+            await c.abort_all()
+            await asyncio.sleep(0.5)
             probe = StreamingGenerate(server.url, PROMPT, rid="c-probe", sampling_params=params)
             await asyncio.to_thread(probe.wait_started)
             tasks = [asyncio.create_task(c.generate(PROMPT, params, rid=f"c-long-{i}")) for i in range(n)]

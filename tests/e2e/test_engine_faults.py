@@ -124,6 +124,7 @@ class RunWatch:
         raise AssertionError(f"gave up waiting; run alive: {alive()}; last rows: {self.rows()[-3:]}")
 
 
+@pytest.mark.serial  # compares /dev/shm before and after: another test's files there would show up
 def test_launcher_restarts_a_killed_engine_and_the_run_resyncs_it(tiny_models, tmp_path) -> None:
     """The product with two launched local engines; engine 0 is killed (-9) mid-run. The launcher
     must start it again, the next push must send it the trainer's weights, and it must serve again

@@ -20,6 +20,8 @@ import json
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tests.conftest import memfd_links, run_tool  # noqa: E402
@@ -32,6 +34,7 @@ def memfd_mappings(pid: int) -> int:
         return sum("memfd:mf-weights" in line for line in f)
 
 
+@pytest.mark.serial  # compares /dev/shm before and after: another test's files there would show up
 def test_trainer_killed_mid_sync_leaves_the_engine_serving_and_nothing_behind(tiny_models, tmp_path) -> None:
     from megatron_flash.engines.client import EngineClient
     from megatron_flash.engines.launcher import EngineLauncher

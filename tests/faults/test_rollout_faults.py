@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from megatron_flash.config import load_config
 from megatron_flash.engines.launcher import EngineLauncher
 from megatron_flash.ports import free_ports
@@ -65,6 +67,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.serial  # compares /dev/shm before and after: another test's files there would show up
 def test_engine_and_reward_faults_are_survived_counted_and_accounted(tiny_models, tmp_path) -> None:
     run_dir, data = str(tmp_path / "run"), str(tmp_path / "prompts.jsonl")
     write_dataset(data)

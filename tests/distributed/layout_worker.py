@@ -108,6 +108,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--distributed-optimizer", action="store_true")
+    p.add_argument("--adam-eps", type=float, default=1e-8)
     p.add_argument("--loss", default="", help="registry loss (e.g. tis); default: fixed weighted NLL")
     p.add_argument("--aggregation", default="token_mean")
     p.add_argument("--aggregation-norm", type=float, default=None, help="C of seq_mean_token_sum_norm")
@@ -148,7 +149,7 @@ def build(args: argparse.Namespace, adapter_path: str = "") -> MegatronPolicy:
                            context_parallel_size=args.cp,
                            recompute_num_layers=1),
         moe=MoEOptions(ep_size=args.ep, aux_loss_coeff=args.moe_aux),
-        optimizer=OptimizerConfig(name=args.optimizer, lr=args.lr, clip_grad=1e6,
+        optimizer=OptimizerConfig(name=args.optimizer, lr=args.lr, clip_grad=1e6, adam_eps=args.adam_eps,
                                   use_distributed_optimizer=args.distributed_optimizer),
         lora=lora_options(args, adapter_path),
     ))

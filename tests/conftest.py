@@ -104,6 +104,22 @@ def four_layer_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu(n): needs n CUDA GPUs")
+    _own_port_range()
+
+
+def _own_port_range() -> None:
+    """Under pytest-xdist each worker (and every process it starts) draws engine, gateway and
+    rendezvous ports from a range of its own: two workers could otherwise draw one port between a
+    check and a server's bind (megatron_flash.ports)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not worker.startswith("gw") or not count.isdigit() or "MF_PORT_RANGE" in os.environ:
+        return
+    from megatron_flash.ports import ephemeral_range
+
+    low, high = 20000, ephemeral_range()[0] - 1
+    span = (high - low + 1) // int(count)
+    start = low + int(worker[2:]) * span
+    os.environ["MF_PORT_RANGE"] = f"{start}-{start + span - 1}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -9,6 +9,11 @@ import pytest
 from megatron_flash import ports
 
 
+@pytest.fixture(autouse=True)
+def _unconfined(monkeypatch):
+    monkeypatch.delenv("MF_PORT_RANGE", raising=False)  # make test's workers each set one (tests/conftest.py)
+
+
 def test_ranges_are_free_consecutive_and_outside_the_ephemeral_range():
     lo, hi = ports.ephemeral_range()
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:  # read independently of the module
@@ -48,3 +53,29 @@ def test_a_range_with_a_taken_port_is_skipped(monkeypatch):
 def test_count_must_be_positive():
     with pytest.raises(ValueError, match="count"):
         ports.free_ports(0)
+
+
+def test_mf_port_range_confines_every_draw(monkeypatch):
+    monkeypatch.setenv("MF_PORT_RANGE", "23000-23009")
+    seen = set()
+    for _ in range(200):
+        base = ports.free_ports(3)
+        assert 23000 <= base and base + 2 <= 23009, base
+        seen.add(base)
+    assert len(seen) > 4  # drawn, not one fixed port
+    monkeypatch.setenv("MF_PORT_RANGE", "23000-23000")
+    assert ports.free_ports(1) == 23000
+
+
+@pytest.mark.parametrize("value,match", [("23000", "expected LO-HI"), ("a-b", "expected LO-HI"),
+                                         ("30000-20000", "LO <= HI"), ("80-90", "1024")])
+def test_a_malformed_mf_port_range_names_the_variable(monkeypatch, value, match):
+    monkeypatch.setenv("MF_PORT_RANGE", value)
+    with pytest.raises(ValueError, match=f"MF_PORT_RANGE.*{match}"):
+        ports.free_ports(1)
+
+
+def test_a_range_too_small_for_the_count_is_refused(monkeypatch):
+    monkeypatch.setenv("MF_PORT_RANGE", "23000-23001")
+    with pytest.raises(RuntimeError, match="MF_PORT_RANGE=23000-23001 holds fewer than 3"):
+        ports.free_ports(3)

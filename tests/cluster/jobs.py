@@ -161,6 +161,18 @@ def assert_ledger_exact(ledger: list[dict], *, steps: int, prompts_per_step: int
     assert len(never) <= (alpha + 1) * prompts_per_step, sorted(never)
 
 
+def step_table(metrics: list[dict]) -> str:
+    """The per-step numbers that tell a run that did not learn apart: no update (update_ok, grad_norm),
+    stale samples (staleness), an engine off the labelled weights (mismatch_labelled_abs), or a noisy
+    start (reward). For failure messages."""
+    keys = ("step", "reward_mean", "train/grad_norm", "train/update_ok", "staleness_mean", "train/mismatch_abs",
+            "mismatch_labelled_abs", "train_infer_logprob_diff", "response_len_mean")
+    lines = [" ".join(keys)]
+    for r in metrics:
+        lines.append(" ".join(f"{r[k]:.3g}" if isinstance(r.get(k), (int, float)) else str(r.get(k)) for k in keys))
+    return "\n".join(lines)
+
+
 def in_host(host: str, *cmd: str, timeout: float = 20) -> subprocess.CompletedProcess:
     """`cmd` in host's network namespace (curl from another host, ip link on its interface)."""
     return subprocess.run(["nsenter", f"--net=/run/netns/{host}", *cmd], capture_output=True, text=True,

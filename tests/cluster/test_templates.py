@@ -15,9 +15,12 @@ from __future__ import annotations
 import json
 import time
 
-from tests.cluster.jobs import API_KEY, Job, assert_accounted, assert_ledger_exact, in_host
+from tests.cluster.jobs import API_KEY, Job, assert_accounted, assert_ledger_exact, in_host, step_table
 
-STEPS = 20
+# At alpha 2 the warm model's reward rises slowly for the first ~20 steps (0.03-0.08 at the start, one run in
+# a handful still within noise of it at step 20, more often on a loaded box where staleness sits at 2),
+# then fast: 30 steps gave +0.50 / +0.52 (two hogs beside the cluster) against a bar of +0.1.
+STEPS = 30
 MULTI_ENV = {"TRAIN_NODES": "2", "GPUS_PER_NODE": "1", "ENGINE_TP": "1", "HEALTH_POLL_S": "1",
              "ENGINE_STARTUP_TIMEOUT": "120", "ENGINE_ARGS": "--num-threads 1"}
 
@@ -61,9 +64,13 @@ def test_multi_node_disaggregated_learns_across_three_hosts(cluster, warm_model)
     assert_ledger_exact(ledger, steps=STEPS, prompts_per_step=16, alpha=2)
     # Weights went mf-node1 -> mf-node3 by broadcast every step, and the engine scores as the trainer does.
     assert all(r["sync_gb"] > 0 for r in metrics)
-    assert max(r["train_infer_logprob_diff"] for r in metrics) < 0.05
+    assert max(r["train_infer_logprob_diff"] for r in metrics) < 0.05, step_table(metrics)
+    # Every sampled token's mu is the labelled version's logprob: the engine generated with what it got.
+    labelled = [r["mismatch_labelled_abs"] for r in metrics if r.get("mismatch_labelled_abs") is not None]
+    assert labelled and max(labelled) < 1e-4, step_table(metrics)
     first, last = (sum(r["reward_mean"] for r in part) / 5 for part in (metrics[:5], metrics[-5:]))
-    assert last > first + 0.1, f"reward did not rise: first-5 mean {first:.3f}, last-5 mean {last:.3f}"
+    assert last > first + 0.1, (f"reward did not rise: first-5 mean {first:.3f}, last-5 mean {last:.3f}\n"
+                                f"{step_table(metrics)}")
     log = open(job.batch_log).read()
     assert "trainer on mf-node1 mf-node2; engines on mf-node3" in log and "# trainer exit code 0" in log
     for host in ("mf-node1", "mf-node2"):  # one torchrun agent per trainer host, in one rendezvous

@@ -169,7 +169,9 @@ class ModelConfig(_Section):
     make_vocab_size_divisible_by: int = 128
     """Pad the embedding/output vocabulary to a multiple of this (times TP size), in tokens."""
     use_transformer_engine: str = "auto"
-    """Megatron layer spec: auto (Transformer Engine when importable and CUDA present)|true|false."""
+    """Megatron layer spec: auto (Transformer Engine when importable and CUDA present, unless an
+    enabled option runs on the local spec only: LoRA, trainer.shared_prefix, a named
+    model.attention_backend; start-up then says so in one line) | true (refused with those options) | false."""
     attention_backend: str = "auto"
     """Core attention of the local (non-TE) layer spec: flash (torch's varlen flash attention for
     packed rows, SDPA for padded ones: CUDA, bfloat16/float16) | local (Megatron's DotProductAttention,
@@ -203,6 +205,10 @@ class ModelConfig(_Section):
         if self.lora.rank and self.use_transformer_engine == "true":
             raise ValueError("model.lora.rank > 0 needs the local layer spec (Transformer Engine's fused norm + "
                              "linear layers take no adapters here): set model.use_transformer_engine=false or auto")
+        if self.attention_backend != "auto" and self.use_transformer_engine == "true":
+            raise ValueError(f"model.attention_backend={self.attention_backend} is a core attention of the local layer "
+                             "spec, but model.use_transformer_engine=true asks for Transformer Engine's: set "
+                             "model.use_transformer_engine=auto or false, or model.attention_backend=auto")
 
 
 @dataclass
@@ -1114,6 +1120,9 @@ class RunConfig:
         if self.distill.enabled and self.engines.backend == "attach" and not self.distill.urls:
             raise ValueError("distill.urls must list the teacher engines when engines.backend=attach (a run that "
                              "attaches its student engines launches none, the teacher's included)")
+        if trainer.shared_prefix and self.model.use_transformer_engine == "true":
+            raise ValueError("trainer.shared_prefix=true needs the local layer spec (Transformer Engine's packed "
+                             "attention has no prompt-to-response mask): set model.use_transformer_engine=auto or false")
         if trainer.shared_prefix and self.agentic.workflow:
             raise ValueError("trainer.shared_prefix is refused for agent workflows (agentic.workflow is set): a "
                              "gateway trajectory's first turn is the agent's own tokenisation, so the samples of a "

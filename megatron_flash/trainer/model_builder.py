@@ -4,13 +4,14 @@ The HF config decides the architecture (RMSNorm eps, SwiGLU, RoPE θ, GQA, q/k/v
 tied embeddings, experts and router); the parallel layout decides the shard. MoE layers use
 Megatron's top-k router in fp32 (softmax over the top-k logits = Qwen3's softmax, top-k, renormalise;
 softmax before top-k when the checkpoint does not renormalise) and SequentialMLP experts. Transformer-Engine's layer spec is used
-when TE imports and CUDA exists (config `model.use_transformer_engine`), the local spec otherwise.
+when TE imports and CUDA exists (config `model.use_transformer_engine`), unless an enabled option runs on
+the local spec only (LoRA, shared prefixes, a named attention backend: `resolve_te`); the local spec otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -113,16 +114,55 @@ def check_scale_options(scale: "ScaleOptions", *, optimizer: Any, uses_te: bool)
         )
 
 
-def use_te(setting: str) -> bool:
-    if setting == "false" or not torch.cuda.is_available():
-        return False
+def local_spec_reasons(*, lora_rank: int = 0, shared_prefix: bool = False, attention_backend: str = "auto") -> list[str]:
+    """The enabled options that run on the local (TE-free) layer spec only, each named by its key."""
+    reasons = []
+    if lora_rank:  # adapters wrap Megatron's own parallel linears; TE fuses norm + linear
+        reasons.append(f"model.lora.rank={lora_rank}")
+    if shared_prefix:  # TE's packed attention has no prompt-to-response mask
+        reasons.append("trainer.shared_prefix=true")
+    if attention_backend != "auto":  # a core attention of the local spec, asked for by name
+        reasons.append(f"model.attention_backend={attention_backend}")
+    return reasons
+
+
+def te_importable() -> bool:
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
-        if setting == "true":
-            raise ValueError("model.use_transformer_engine=true but transformer_engine does not import")
         return False
     return True
+
+
+def resolve_te(setting: str, *, local_only: Sequence[str] = ()) -> tuple[bool, str]:
+    """(whether Transformer Engine's layer spec is used, a start-up line saying why not when auto
+    would have taken it) for model.use_transformer_engine=`setting`. `local_only` names the enabled
+    options that need the local spec (local_spec_reasons): auto then takes the local spec, true is
+    refused by name. ValueError when the setting cannot run here."""
+    if setting == "false":
+        return False, ""
+    cuda = torch.cuda.is_available()
+    if setting == "true":
+        if not cuda:
+            raise ValueError("model.use_transformer_engine=true needs CUDA (Transformer Engine's layers are CUDA "
+                             "only); use auto or false")
+        if not te_importable():
+            raise ValueError("model.use_transformer_engine=true but transformer_engine does not import")
+        if local_only:
+            raise ValueError(f"model.use_transformer_engine=true with {', '.join(local_only)}: "
+                             "these run on the local layer spec only; use model.use_transformer_engine=auto or false")
+        return True, ""
+    if not cuda or not te_importable():
+        return False, ""
+    if local_only:
+        return False, (f"model.use_transformer_engine=auto: Transformer Engine is installed, but "
+                       f"{', '.join(local_only)} run on the local layer spec only; using the local spec")
+    return True, ""
+
+
+def use_te(setting: str) -> bool:
+    """resolve_te with no option that needs the local spec."""
+    return resolve_te(setting)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +275,7 @@ def transformer_config(spec: HFModelSpec, *, tp_size: int, pp_size: int, dtype: 
 
 
 def build_gpt_stage(spec: HFModelSpec, *, config: Any, make_vocab_size_divisible_by: int,
-                    use_transformer_engine: str = "auto", attention: str = "local",
+                    transformer_engine: bool = False, attention: str = "local",
                     vp_stage: Optional[int] = None) -> Any:
     """This rank's pipeline stage (or its virtual stage `vp_stage` under interleaving) as a GPTModel
     (parallel output: logits stay vocab-sharded)."""
@@ -255,7 +295,7 @@ def build_gpt_stage(spec: HFModelSpec, *, config: Any, make_vocab_size_divisible
 
         if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 leaves it undefined without TE
             moe_utils.te_general_gemm = None
-    if use_te(use_transformer_engine):
+    if transformer_engine:  # resolved by resolve_te
         layer_spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=spec.qk_norm)
     else:
         from megatron_flash.trainer.packed_attention import packed_dot_product_attention

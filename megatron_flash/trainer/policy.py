@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import time
 from functools import partial
@@ -49,7 +50,7 @@ from megatron_flash.trainer.model_builder import (
     padded_vocab_size,
     transformer_config,
     check_scale_options,
-    use_te,
+    resolve_te,
     validate_layout,
 )
 from megatron_flash.hf.spec import HFModelSpec, read_hf_spec
@@ -57,6 +58,8 @@ from megatron_flash.trainer.settings import PolicySettings
 from megatron_flash.trainer.shared_prefix import check_shared_prefix, step_flops
 from megatron_flash.trainer.weight_health import grad_state, weights_finite
 from megatron_flash.types import TrainBatch
+
+logger = logging.getLogger(__name__)
 
 MicroBatchLossFn = Callable[[TrainBatch, torch.Tensor, Optional[torch.Tensor]],
                             tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
@@ -96,7 +99,9 @@ class MegatronPolicy:
         validate_layout(self.spec, tp_size=s.tp_size, pp_size=s.pp_size, vpp_size=vpp, moe=s.moe,
                         sequence_parallel=s.scale.sequence_parallel,
                         recompute=s.scale.recompute)
-        self.uses_te = use_te(s.use_transformer_engine)
+        self.uses_te, te_note = resolve_te(s.use_transformer_engine, local_only=s.local_spec_reasons())
+        if te_note and os.environ.get("RANK", "0") == "0":
+            logger.info("%s", te_note)
         check_lora(self.spec, s.lora, uses_te=self.uses_te)
         check_shared_prefix(self.spec, enabled=s.shared_prefix, uses_te=self.uses_te)
         self.attention = attention_backend(s.attention_backend, uses_te=self.uses_te, dtype=s.dtype)
@@ -136,7 +141,7 @@ class MegatronPolicy:
         s = self.settings
         stages = [None] if s.scale.virtual_pipeline_size is None else list(range(s.scale.virtual_pipeline_size))
         chunks = [build_gpt_stage(self.spec, config=self.config, make_vocab_size_divisible_by=s.make_vocab_size_divisible_by,
-                                  use_transformer_engine=s.use_transformer_engine, attention=self.attention,
+                                  transformer_engine=self.uses_te, attention=self.attention,
                                   vp_stage=v) for v in stages]
         load_hf_weights(chunks, s.hf_path, spec=self.spec, layout=self.layout, padded_vocab_size=self.padded_vocab)
         if s.lora.enabled:  # base frozen, adapters fresh or from model.lora.adapter_path

@@ -7,7 +7,7 @@ import dataclasses
 
 from megatron_flash.config.schema import ModelConfig, OptimizerConfig, ParallelConfig, TrainerConfig
 from megatron_flash.trainer.lora import LoraOptions
-from megatron_flash.trainer.model_builder import MoEOptions, ScaleOptions
+from megatron_flash.trainer.model_builder import MoEOptions, ScaleOptions, local_spec_reasons
 
 
 @dataclasses.dataclass
@@ -41,6 +41,11 @@ class PolicySettings:
             raise ValueError("trainer.max_tokens_per_micro_batch needs trainer.pack_sequences=true")
         if self.shared_prefix and not self.pack_sequences:
             raise ValueError("trainer.shared_prefix needs trainer.pack_sequences=true (shared prompts are packed segments)")
+
+    def local_spec_reasons(self) -> list[str]:
+        """The enabled options that need the local (TE-free) layer spec, by key (resolve_te)."""
+        return local_spec_reasons(lora_rank=self.lora.rank, shared_prefix=self.shared_prefix,
+                                  attention_backend=self.attention_backend)
 
     @classmethod
     def from_sections(cls, *, model: "ModelConfig", parallel: "ParallelConfig", trainer: "TrainerConfig",

@@ -100,7 +100,7 @@ def build_stage(hf_dir: str, *, tp: int, pp: int, dtype: str, divisible_by: int,
     validate_layout(spec, tp_size=tp, pp_size=pp, moe=moe, sequence_parallel=scale.sequence_parallel)
     layout = init_distributed(tp_size=tp, pp_size=pp, seed=0, ep_size=ep)
     config = transformer_config(spec, tp_size=tp, pp_size=pp, dtype=dtype, scale=scale, moe=moe)
-    stage = build_gpt_stage(spec, config=config, make_vocab_size_divisible_by=divisible_by, use_transformer_engine="false")
+    stage = build_gpt_stage(spec, config=config, make_vocab_size_divisible_by=divisible_by)
     return stage, spec, layout, padded_vocab_size(spec.vocab_size, divisible_by=divisible_by, tp_size=tp)
 
 

@@ -103,6 +103,28 @@ def check_paths(cfg: RunConfig) -> None:
             raise ValueError(f"{key}={path!r}: not readable by this user")
 
 
+def node_local_tmp_paths(cfg: RunConfig, env: "os._Environ[str] | dict[str, str]" = os.environ) -> None:
+    """Paths under /tmp that the run's hosts cannot share, refused by key. Every node has its own
+    /tmp on a cluster: a multi-node trainer (WORLD_SIZE > LOCAL_WORLD_SIZE) writes a checkpoint that
+    no single host holds whole. Where nothing is staged per host either (MF_TMP_IS_NODE_LOCAL=1,
+    which the Slurm templates set on the tools/cluster mini-cluster), what the hosts read is refused
+    too. ValueError otherwise."""
+    multi_node = env.get("WORLD_SIZE", "1") != env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))
+    keys = [("checkpoint.save_dir", cfg.checkpoint.save_dir)] if multi_node else []
+    if env.get("MF_TMP_IS_NODE_LOCAL") == "1":
+        keys = [("model.hf_path", cfg.model.hf_path), ("data.path", cfg.data.path),
+                ("checkpoint.save_dir", cfg.checkpoint.save_dir), ("logging.dir", cfg.logging.dir)]
+    for key, path in keys:
+        if path and under_tmp(path):
+            raise ValueError(f"{key}={path!r} is under /tmp, which is each host's own here: put it on the shared "
+                             "filesystem (outside /tmp)")
+
+
+def under_tmp(path: str) -> bool:
+    real = os.path.realpath(path)
+    return real == "/tmp" or real.startswith("/tmp/")
+
+
 def run(cfg: RunConfig) -> int:
     """Hand the validated config to the controller; torch and Megatron are imported from here on."""
     from megatron_flash.versions import untested
@@ -122,6 +144,7 @@ def run(cfg: RunConfig) -> int:
         return EXIT_CONFIG_ERROR
     try:
         check_paths(cfg)
+        node_local_tmp_paths(cfg)
     except ValueError as err:
         if _is_local_leader():
             print(f"config error: {err}", file=sys.stderr)

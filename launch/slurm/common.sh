@@ -91,6 +91,25 @@ mf_engine_backend() {  # ENGINE_BACKEND: sglang (default), or local: the project
     esac
 }
 
+# /tmp is each host's own on the tools/cluster mini-cluster (Slurm's ClusterName mfcluster), and
+# on any cluster whose nodes stage nothing there (MF_TMP_IS_NODE_LOCAL=1): what the job's hosts share
+# must live elsewhere. The trainer gets the variable too and refuses its own keys (checkpoint.save_dir,
+# logging.dir, model.hf_path, data.path) under /tmp by name.
+mf_shared_paths() {  # mf_shared_paths NAME=VALUE...: refuse a value under /tmp where /tmp is node-local
+    [[ ${SLURM_CLUSTER_NAME:-} == mfcluster ]] && MF_TMP_IS_NODE_LOCAL=1
+    [[ ${MF_TMP_IS_NODE_LOCAL:-0} == 1 ]] || return 0
+    export MF_TMP_IS_NODE_LOCAL
+    local pair name value real
+    for pair in "$@"; do
+        name=${pair%%=*} value=${pair#*=}
+        [[ -n $value ]] || continue
+        real=$(realpath -m -- "$value")
+        if [[ $real == /tmp || $real == /tmp/* ]]; then
+            mf_die "$name=$value is under /tmp, which is each host's own on this cluster: put it on the shared filesystem (outside /tmp)"
+        fi
+    done
+}
+
 mf_config_args() {  # MF_CONFIG_ARGS=(--config F ...) from CONFIG (space-separated; later files win)
     MF_CONFIG_ARGS=()
     local file

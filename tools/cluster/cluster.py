@@ -12,7 +12,9 @@ Each host is a network namespace on one bridge, with its own address and hostnam
                                                                └── mf-node3 10.213.0.3  slurmd
 
 The hosts share this machine's filesystem (the checkout, the model, checkpoints: a cluster's shared
-filesystem), except /tmp, which is each host's own (/var/lib/mf-cluster/tmp/<host>), and one munged
+filesystem), except /tmp, which is each host's own (/var/lib/mf-cluster/tmp/<host>): `up` refuses a
+checkout, MODEL_PATH or LOG_DIR under /tmp (exit 2), and the templates refuse theirs
+on this cluster (launch/slurm/common.sh `mf_shared_paths`), and one munged
 (its socket is on that filesystem). The namespaces have no route off the bridge: a job reaches only
 its peers and the submit host. Daemons enter a host with `nsenter --net` on the namespace's
 file plus `unshare --uts` for its hostname: `ip netns exec` remounts /sys, which hides the machine's
@@ -75,6 +77,27 @@ def why_not() -> str | None:
     probe = subprocess.run(["unshare", "--net", "--uts", "true"], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"tools/cluster: this machine does not allow network namespaces (unshare --net: {probe.stderr.strip()})"
+    return None
+
+
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def under_tmp(path: str) -> bool:
+    real = os.path.realpath(path)
+    return real == "/tmp" or real.startswith("/tmp/")
+
+
+def tmp_refusal(env: dict[str, str] | os._Environ = os.environ, checkout: str = CHECKOUT) -> str | None:
+    """One line naming what lies under /tmp, which each host has of its own (in_host binds it), so a
+    job there could not see it; None when nothing does. The checkout, this tool's state folder, and
+    MODEL_PATH and LOG_DIR when they are set for the templates."""
+    paths = [("the checkout", checkout), ("MF_CLUSTER_DIR", STATE)]
+    paths += [(name, env[name]) for name in ("MODEL_PATH", "LOG_DIR") if env.get(name)]
+    for name, path in paths:
+        if under_tmp(path):
+            return (f"tools/cluster: {name} {path} is under /tmp, which each host of the cluster has of its own "
+                    "(jobs would not see it): clone or move it outside /tmp, e.g. under /work or /var/lib")
     return None
 
 
@@ -364,6 +387,10 @@ def main() -> int:
     if args.cmd == "env":
         print(f"export SLURM_CONF={CONF}")
         return 0
+    refusal = tmp_refusal() if args.cmd == "up" else None
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
     reason = why_not()
     if reason:
         print(reason, file=sys.stderr)

@@ -156,6 +156,38 @@ def targets_of(config: Mapping) -> tuple[str, ...]:
     return tuple(out)
 
 
+PEFT_HONOURED = ("r", "lora_alpha", "target_modules", "lora_dropout")
+"""adapter_config.json fields the adapter is built from (dropout: what training would use)."""
+PEFT_INFORMATIONAL = ("peft_type", "peft_version", "task_type", "base_model_name_or_path", "revision",
+                      "inference_mode", "auto_mapping", "init_lora_weights", "megatron_core", "qalora_group_size")
+"""Fields that do not change an adapter's output once its weights are loaded (init_lora_weights: how
+fresh weights would be drawn; megatron_core / qalora_group_size: only read with megatron_config /
+use_qalora, which are refused)."""
+PEFT_REFUSED_WHY = {
+    "alpha_pattern": "a per-module lora_alpha", "rank_pattern": "a per-module rank",
+    "bias": "trained biases beside the adapters", "modules_to_save": "whole modules trained beside the adapters",
+    "use_dora": "DoRA's magnitude vectors", "use_rslora": "rsLoRA's alpha / sqrt(r) scale",
+    "fan_in_fan_out": "transposed (Conv1D) weights", "layers_to_transform": "adapters on some layers only",
+    "layers_pattern": "adapters on some layers only", "exclude_modules": "modules left out of target_modules",
+    "lora_bias": "a bias on lora_B", "layer_replication": "replicated layers",
+}
+
+
+def check_peft_fields(config: Mapping, *, where: str) -> None:
+    """Every adapter_config.json field is honoured, has no effect on a loaded adapter, or holds its
+    no-op value (bias "none", anything else empty or false); otherwise CheckpointError names it, since
+    loading the tensors while ignoring it would compute a different function than PEFT's."""
+    for key, value in config.items():
+        if key in PEFT_HONOURED or key in PEFT_INFORMATIONAL:
+            continue
+        if (value == "none") if key == "bias" else not value:
+            continue
+        why = PEFT_REFUSED_WHY.get(key, "a PEFT option this loader does not implement")
+        raise CheckpointError(f"{where}: {key}={value!r} ({why}) is not honoured here: megatron-flash loads plain "
+                              f"LoRA ({', '.join(PEFT_HONOURED)}); export the adapter without it, or merge it into "
+                              "the base")
+
+
 def read_peft_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(adapter_config.json, tensors named without PEFT's `base_model.model.` prefix)."""
     from safetensors.torch import load_file
@@ -168,9 +200,7 @@ def read_peft_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
         config = json.load(f)
     if config.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"{config_path}: peft_type {config.get('peft_type')!r} is not LORA")
-    for key, bad in (("use_dora", True), ("use_rslora", True), ("fan_in_fan_out", True)):
-        if config.get(key) == bad:
-            raise CheckpointError(f"{config_path}: {key}={bad} is not supported (plain LoRA only)")
+    check_peft_fields(config, where=config_path)
     tensors = {k.removeprefix(PEFT_PREFIX).replace(".default.", "."): v for k, v in load_file(weights_path).items()}
     return config, tensors
 

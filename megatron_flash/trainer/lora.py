@@ -214,12 +214,25 @@ def apply_lora(chunks: list[Any], options: LoraOptions, *, spec: HFModelSpec, la
         linear.lora_scaling = options.scaling
         linear.lora_dropout = options.dropout
         linear.lora_active = True
-    if adapter is not None and layout.pp_size == 1:  # a PP stage reads only its own layers' tensors
-        unused = set(adapter) - set().union(*(r.used for r in readers))
+    if adapter is not None:
+        unused = set(adapter) - _used_by_every_stage(set().union(*(r.used for r in readers)), layout)
         if unused:
             raise CheckpointError(f"model.lora.adapter_path={options.adapter_path!r}: tensor(s) "
                                   f"{sorted(unused)[:3]} match no adapted module of this model")
     return count
+
+
+def _used_by_every_stage(used: set[str], layout: Layout) -> set[str]:
+    """The adapter tensors some pipeline stage read: a stage reads only its own layers' tensors, so the
+    check that every tensor found a module runs on the union over the PP group (the same on every rank)."""
+    if layout.pp_size == 1:
+        return used
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    stages: list[Any] = [None] * layout.pp_size
+    dist.all_gather_object(stages, sorted(used), group=ps.get_pipeline_model_parallel_group())
+    return set().union(*map(set, stages))
 
 
 class _FullShapes:

@@ -88,3 +88,21 @@ class RouterStats:
             out["moe_aux_loss"] = float((aux[held > 0] / held[held > 0]).mean())
         self.reset()
         return out
+
+
+def moe_padding_mask(model: Any, routable: torch.Tensor) -> torch.Tensor:
+    """Megatron's MoE padding mask ([r, T], True = padding) for one forward: padding stays out of
+    the load-balancing loss and the router's token counts. Without it a packed row's padding tail
+    (zero hidden states, its own attention segment) sent the loss's gradient through RMSNorm at 0,
+    scaled by 1/sqrt(eps), into the embedding (measured ~1e5 x the policy gradient at EP2).
+    GPTModel scatters the mask over sequence-parallel ranks on the first pipeline stage only: later
+    stages get their slice here."""
+    pad = ~routable
+    inner = getattr(model, "module", model)
+    if inner.config.sequence_parallel and not inner.pre_process:
+        from megatron.core import parallel_state as ps
+
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        part = pad.shape[1] // tp
+        pad = pad[:, rank * part:(rank + 1) * part]
+    return pad

@@ -42,6 +42,7 @@ from megatron_flash.trainer.lora import (
     load_adapter,
     require_input_grad,
 )
+from megatron_flash.trainer.moe_metrics import moe_padding_mask
 from megatron_flash.trainer.micro_batches import BatchingOptions, Micro, build_micro_batches, scatter_rows
 from megatron_flash.trainer.model_builder import (
     DTYPES,
@@ -55,7 +56,7 @@ from megatron_flash.trainer.model_builder import (
 )
 from megatron_flash.hf.spec import HFModelSpec, read_hf_spec
 from megatron_flash.trainer.settings import PolicySettings
-from megatron_flash.trainer.shared_prefix import check_shared_prefix, step_flops
+from megatron_flash.trainer.shared_prefix import UnsharedWarning, check_shared_prefix, sharing
 from megatron_flash.trainer.weight_health import grad_state, weights_finite
 from megatron_flash.types import TrainBatch
 
@@ -71,24 +72,6 @@ def _require_batch(batch: Any, what: str) -> TrainBatch:
     if not isinstance(batch, TrainBatch):
         raise TypeError(f"{what} takes a megatron_flash.types.TrainBatch, got {type(batch).__name__}")
     return batch
-
-
-def moe_padding_mask(model: Any, routable: torch.Tensor) -> torch.Tensor:
-    """Megatron's MoE padding mask ([r, T], True = padding) for one forward: padding stays out of
-    the load-balancing loss and the router's token counts. Without it a packed row's padding tail
-    (zero hidden states, its own attention segment) sent the loss's gradient through RMSNorm at 0,
-    scaled by 1/sqrt(eps), into the embedding (measured ~1e5 x the policy gradient at EP2).
-    GPTModel scatters the mask over sequence-parallel ranks on the first pipeline stage only: later
-    stages get their slice here."""
-    pad = ~routable
-    inner = getattr(model, "module", model)
-    if inner.config.sequence_parallel and not inner.pre_process:
-        from megatron.core import parallel_state as ps
-
-        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-        part = pad.shape[1] // tp
-        pad = pad[:, rank * part:(rank + 1) * part]
-    return pad
 
 
 class MegatronPolicy:
@@ -130,6 +113,7 @@ class MegatronPolicy:
             self.routing = RoutingReplay(self.chunks, num_layers=self.spec.num_layers, top_k=self.spec.moe.top_k,
                                          replay=s.moe.routing_replay)
         self._reference: Optional[list[torch.nn.Module]] = None
+        self._unshared_warning = UnsharedWarning(enabled=self.layout.rank == 0)
 
     @property
     def model(self) -> Any:
@@ -425,8 +409,12 @@ class MegatronPolicy:
         rows, width = batch.tokens.shape
         lengths = batch.lengths.tolist() if batch.lengths is not None else [width] * rows
         s, adapters = self.settings, adapter_weights_per_token(self.spec, self.settings.lora)
-        flops = step_flops(self.spec, batch, lengths, max_tokens=s.max_tokens_per_micro_batch,
-                           max_samples=s.micro_batch_size, adapter_weights=adapters) if s.shared_prefix else None
+        shared = sharing(self.spec, batch, lengths, max_tokens=s.max_tokens_per_micro_batch,
+                         max_samples=s.micro_batch_size, adapter_weights=adapters) if s.shared_prefix else None
+        if shared is not None:
+            metrics["shared_prefix_saved_frac"] = shared.saved_frac
+            self._unshared_warning(shared.unshared)
+        flops = shared.flops if shared else None
         metrics.update(step_speed(self.spec, lengths, seconds=time.perf_counter() - started,  # host-synced above
                                   num_gpus=self.layout.world_size, device=self.device, adapter_weights=adapters,
                                   flops=flops))

@@ -26,12 +26,15 @@ hands that tensor, and nothing else of the packed row, to its rotation.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import defaultdict
 from typing import Any, Optional, Sequence
 
 import torch
 
 from megatron_flash.trainer.packing import MicroBatch, SampleTooLong, Unit
+
+logger = logging.getLogger(__name__)
 
 
 def check_shared_prefix(spec: Any, *, enabled: bool, uses_te: bool) -> None:
@@ -85,18 +88,46 @@ def shared_units(tokens: torch.Tensor, lengths: Sequence[int], prompt_lengths: S
     return units
 
 
-def step_flops(spec: Any, batch: Any, lengths: Sequence[int], *, max_tokens: int, max_samples: int,
-               adapter_weights: int = 0) -> Optional[float]:
-    """Model FLOPs of a step over `batch` laid out with shared prefixes, a split group's prompt once per
-    part (None: nothing is shared)."""
+@dataclasses.dataclass(frozen=True)
+class Sharing:
+    """What a step's shared layout saves (trainer.shared_prefix)."""
+
+    flops: Optional[float]  # model FLOPs of the shared layout, a split group's prompt once per part
+    saved_frac: float  # tokens not recomputed / the batch's tokens (train/shared_prefix_saved_frac)
+    unshared: str  # why nothing is shared ("" when something is)
+
+
+def sharing(spec: Any, batch: Any, lengths: Sequence[int], *, max_tokens: int, max_samples: int,
+            adapter_weights: int = 0) -> Sharing:
+    """The shared layout of `batch` as the micro-batches lay it out (micro_batches.py `_packed`)."""
     from megatron_flash.trainer.flops import shared_flops
 
     if batch.group_ids is None or batch.prompt_lengths is None:
-        return None
+        return Sharing(None, 0.0, "the batch carries no group_ids or prompt_lengths (e.g. a replay dump "
+                                  "written without them), so every sample is laid out whole")
     units = shared_units(batch.tokens, lengths, batch.prompt_lengths.tolist(), batch.group_ids.tolist(),
                          max_tokens=max_tokens, max_samples=max_samples)
-    return sum(shared_flops(spec, u.prefix, [lengths[i] for i in u.samples], adapter_weights=adapter_weights)
-               for u in units)
+    saved = sum(u.prefix * (len(u.samples) - 1) for u in units)
+    flops = sum(shared_flops(spec, u.prefix, [lengths[i] for i in u.samples], adapter_weights=adapter_weights)
+                for u in units)
+    why = "" if saved else ("no group has two samples in one unit (groups of one, or a token budget or "
+                            "micro_batch_size that splits every group apart)")
+    return Sharing(flops, saved / max(sum(lengths), 1), why)
+
+
+class UnsharedWarning:
+    """One warning line the first time a batch shares nothing, then one per `every` such batches."""
+
+    def __init__(self, *, enabled: bool = True, every: int = 100) -> None:
+        self.enabled, self.every, self.count = enabled, every, 0
+
+    def __call__(self, reason: str) -> None:
+        if not reason:
+            return
+        self.count += 1
+        if self.enabled and (self.count - 1) % self.every == 0:
+            logger.warning("trainer.shared_prefix=true, but this batch shares nothing: %s (%d such batches so far)",
+                           reason, self.count)
 
 
 def _unit(samples: list[int], prefix: int) -> Unit:

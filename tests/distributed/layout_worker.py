@@ -128,6 +128,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-targets", default="qkv,proj,fc1,fc2")
     p.add_argument("--lora-b-std", type=float, default=0.0, help="B ~ N(0, std) instead of zeros (A then moves too)")
     p.add_argument("--lora-adapter", default="", help="start from this PEFT adapter (model.lora.adapter_path)")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="model.lora.dropout")
+    p.add_argument("--record-dropout", action="store_true",
+                   help="save every dropout mask (p > 0) of the training steps to dropout_rank<r>.pt, in call order")
+    p.add_argument("--reimport-unused", action="store_true",
+                   help="also load export0/adapter plus one tensor no module takes; the error to unused.txt")
     p.add_argument("--grouped", action="store_true", help="the grouped batch (prompts shared within groups)")
     p.add_argument("--shared-prefix", action="store_true", help="trainer.shared_prefix")
     p.add_argument("--steps", type=int, default=1, help="optimizer steps on the batch before export1")
@@ -138,7 +143,7 @@ def parser() -> argparse.ArgumentParser:
 
 def lora_options(args: argparse.Namespace, adapter_path: str = "") -> LoraOptions:
     return LoraOptions(rank=args.lora_rank, targets=tuple(args.lora_targets.split(",")), b_std=args.lora_b_std,
-                       adapter_path=adapter_path or args.lora_adapter)
+                       adapter_path=adapter_path or args.lora_adapter, dropout=args.lora_dropout)
 
 
 def build(args: argparse.Namespace, adapter_path: str = "") -> MegatronPolicy:
@@ -155,6 +160,31 @@ def build(args: argparse.Namespace, adapter_path: str = "") -> MegatronPolicy:
     ))
 
 
+def reimport_with_an_unused_tensor(args: argparse.Namespace, adapter_dir: str) -> None:
+    """A copy of the adapter with one extra tensor that no module of the model takes: building a policy
+    from it must fail by name (on every rank, also under pipeline parallelism)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megatron_flash.hf.spec import CheckpointError
+
+    copy = os.path.join(args.out, "adapter_unused")
+    if dist.get_rank() == 0:
+        shutil.copytree(adapter_dir, copy)
+        tensors = load_file(os.path.join(copy, "adapter_model.safetensors"))
+        tensors["base_model.model.model.layers.99.self_attn.o_proj.lora_A.weight"] = torch.zeros(2, 2)
+        save_file(tensors, os.path.join(copy, "adapter_model.safetensors"))
+    dist.barrier()
+    try:
+        build(args, adapter_path=copy)
+        message = "(no error)"
+    except CheckpointError as err:
+        message = str(err)
+    with open(os.path.join(args.out, f"unused_rank{dist.get_rank()}.txt"), "w") as f:
+        f.write(message)
+
+
 def run_case(args: argparse.Namespace) -> None:
     policy = build(args)
     batch = (grouped_batch if args.grouped else fixed_batch)(policy.spec.vocab_size)
@@ -164,6 +194,18 @@ def run_case(args: argparse.Namespace) -> None:
         again = build(args, adapter_path=os.path.join(args.out, "export0", "adapter"))
         again.export_adapter(os.path.join(args.out, "reimport0"))
         del again
+    if args.reimport_unused:
+        reimport_with_an_unused_tensor(args, os.path.join(args.out, "export0", "adapter"))
+    recorded: list[torch.Tensor] = []
+    if args.record_dropout:  # every mask the adapters draw in the training steps (LoRA dropout's only user)
+        plain = torch.nn.functional.dropout
+
+        def recording(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+            out = plain(x, p=p, training=training, inplace=inplace)
+            if p > 0 and training:  # Megatron's own attention / hidden dropout calls run at p = 0 here
+                recorded.append(out.detach() != 0)
+            return out
+        torch.nn.functional.dropout = recording
     loss_fn = weighted_nll
     if args.loss:
         from megatron_flash.losses import get_loss
@@ -187,6 +229,9 @@ def run_case(args: argparse.Namespace) -> None:
         metrics = policy.train_step(batch, loss_fn)
         losses.append(metrics["loss"])
     metrics["losses"] = losses
+    if args.record_dropout:
+        torch.nn.functional.dropout = plain
+        torch.save(recorded, os.path.join(args.out, f"dropout_rank{dist.get_rank()}.pt"))
     policy.export_hf(os.path.join(args.out, "export1"))
     if dist.get_rank() == 0:
         torch.save(logprobs, os.path.join(args.out, "logprobs.pt"))

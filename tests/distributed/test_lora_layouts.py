@@ -48,7 +48,7 @@ CASES = {
     "ref": ("two", 1, LORA + BUDGET, None),
     "tp2": ("two", 2, LORA + BUDGET + ["--tp", "2", "--reimport"], "ref"),
     "tp2sp": ("two", 2, LORA + BUDGET + ["--tp", "2", "--sp"], "ref"),
-    "pp2": ("two", 2, LORA + BUDGET + ["--pp", "2"], "ref"),
+    "pp2": ("two", 2, LORA + BUDGET + ["--pp", "2", "--reimport", "--reimport-unused"], "ref"),
     "recompute_full": ("two", 1, LORA + BUDGET + ["--recompute", "full"], "ref"),
     "padded": ("two", 1, LORA + ["--no-pack"], "ref"),
     "ref_adam": ("two", 1, LORA + BUDGET + ADAM, None),
@@ -57,6 +57,10 @@ CASES = {
     "vpp2": ("four", 2, LORA + BUDGET + ["--pp", "2", "--vpp", "2"], "pp1"),
     "moe_ref": ("moe", 1, LORA + ["--lora-targets", "qkv,proj", "--moe-aux", "0"], None),
     "moe_ep2": ("moe", 2, LORA + ["--lora-targets", "qkv,proj", "--moe-aux", "0", "--ep", "2"], "moe_ref"),
+    "drop0": ("two", 1, LORA + BUDGET + ["--lora-dropout", "0"], "ref"),
+    "drop": ("two", 1, LORA + BUDGET + ["--lora-dropout", "0.5", "--steps", "2", "--record-dropout"], None),
+    "drop_tp2": ("two", 2, LORA + BUDGET + ["--tp", "2", "--lora-dropout", "0.5", "--record-dropout"], None),
+    "drop_tp2sp": ("two", 2, LORA + BUDGET + ["--tp", "2", "--sp", "--lora-dropout", "0.5", "--record-dropout"], None),
 }
 for _loss in LOSSES:
     CASES[f"{_loss}_packed"] = ("two", 1, LORA + BUDGET + ["--loss", _loss], None)
@@ -142,10 +146,12 @@ def test_moe_adapters_sit_on_attention_only(runs) -> None:
     assert {k.split(".")[-3] for k in names} == {"q_proj", "k_proj", "v_proj", "o_proj"}
 
 
-def test_export_then_import_is_bit_exact(runs) -> None:
-    """TP2: the exported PEFT adapter, loaded back (model.lora.adapter_path) and exported again."""
-    first = adapter(os.path.join(runs["tp2"], "export0", "adapter"))
-    again = adapter(os.path.join(runs["tp2"], "reimport0"))
+@pytest.mark.parametrize("case", ["tp2", "pp2"])
+def test_export_then_import_is_bit_exact(runs, case: str) -> None:
+    """The exported PEFT adapter, loaded back (model.lora.adapter_path) and exported again; under PP2
+    each stage loads its own layers' tensors."""
+    first = adapter(os.path.join(runs[case], "export0", "adapter"))
+    again = adapter(os.path.join(runs[case], "reimport0"))
     assert first.keys() == again.keys()
     assert all(torch.equal(first[k], again[k]) for k in first)
 
@@ -175,3 +181,46 @@ def test_peft_gives_the_trainers_logprobs(runs, tiny_models, case: str, export: 
                 ref = torch.log_softmax(merged(input_ids=ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
             worst = max(worst, (lp - ref).abs().max().item())
     assert worst <= 1e-5, worst
+
+
+def test_an_adapter_tensor_no_module_takes_is_refused_under_pp(runs) -> None:
+    """PP2: each stage reads only its own layers' tensors; the check runs on their union, so a tensor no
+    stage takes is refused by name on both ranks (and the tensors each stage does take are not)."""
+    for rank in (0, 1):
+        with open(os.path.join(runs["pp2"], f"unused_rank{rank}.txt")) as f:
+            message = f.read()
+        assert "layers.99.self_attn.o_proj.lora_A.weight" in message and "match no adapted module" in message, message
+
+
+def dropout_masks(path: str, rank: int = 0) -> list[torch.Tensor]:
+    return torch.load(os.path.join(path, f"dropout_rank{rank}.pt"))
+
+
+def test_lora_dropout_draws_new_masks_each_step_and_never_when_scoring(runs) -> None:
+    """model.lora.dropout=0.5: scoring (no gradient: logprobs, π_prox, the reference) is deterministic
+    and dropout-free, so its logprobs are those of the same adapters without dropout; each training
+    forward draws masks of its own (about half the inputs kept), different at the second step; and the
+    training loss is not the dropout-free one."""
+    assert torch.equal(torch.load(os.path.join(runs["drop"], "logprobs.pt")),
+                       torch.load(os.path.join(runs["ref"], "logprobs.pt")))
+    masks = dropout_masks(runs["drop"])
+    half = len(masks) // 2
+    assert len(masks) == 2 * half and half >= 4 * 2  # 4 adapted linears × 2 layers per micro-batch forward
+    assert all(a.shape == b.shape for a, b in zip(masks[:half], masks[half:]))
+    assert not any(torch.equal(a, b) for a, b in zip(masks[:half], masks[half:]))
+    kept = torch.cat([m.flatten().float() for m in masks]).mean().item()
+    assert 0.45 <= kept <= 0.55, kept
+    assert abs(metrics(runs["drop"])["losses"][0] - metrics(runs["ref"])["loss"]) > 1e-4
+
+
+@pytest.mark.parametrize("case, column_same", [("drop_tp2", True), ("drop_tp2sp", False)])
+def test_lora_dropout_masks_across_tensor_parallel_ranks(runs, case: str, column_same: bool) -> None:
+    """A column-parallel adapter (qkv, fc1) sees the same input on every TP rank, so its mask must be the
+    same there; under sequence parallelism, and for a row-parallel adapter (proj, fc2, each rank its own
+    slice of the input), each rank draws its own. Calls come per layer as qkv, proj, fc1, fc2."""
+    ranks = [dropout_masks(runs[case], r) for r in (0, 1)]
+    assert len(ranks[0]) == len(ranks[1]) and len(ranks[0]) % 4 == 0
+    for i, (a, b) in enumerate(zip(*ranks)):
+        column = i % 4 in (0, 2)
+        same = a.shape == b.shape and torch.equal(a, b)
+        assert same == (column and column_same), (case, i, "column" if column else "row")

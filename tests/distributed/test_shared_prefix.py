@@ -101,3 +101,6 @@ def test_prompts_are_computed_once(runs) -> None:
     against every sample whole (10 + 15 + 8 + 13, 8, 11 + 14 + 9 = 88 tokens)."""
     assert metrics(runs[("tp1_all", False)])["tokens_computed"] == 88
     assert metrics(runs[("tp1_all", True)])["tokens_computed"] == 28 + 8 + 18
+    # saved: the prompts of 6 and 8 tokens computed once instead of 4 and 3 times
+    assert metrics(runs[("tp1_all", True)])["shared_prefix_saved_frac"] == pytest.approx((6 * 3 + 8 * 2) / 88)
+    assert "shared_prefix_saved_frac" not in metrics(runs[("tp1_all", False)])

@@ -193,6 +193,10 @@ def test_rollout_only_dump_replays_in_train_only(tiny_models, tmp_path) -> None:
         assert abs(a["train/loss"] - b["train/loss"]) <= 1e-6, (a["train/loss"], b["train/loss"])
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5, abs=1e-7)
         assert b["train/tokens_computed"] < a["train/tokens_computed"]
+        # the rows hold no padding here: what was not recomputed is what the shared layout dropped
+        saved = 1 - b["train/tokens_computed"] / a["train/tokens_computed"]
+        assert b["train/shared_prefix_saved_frac"] == pytest.approx(saved, rel=1e-6), (b, a)
+        assert "train/shared_prefix_saved_frac" not in a
     assert any(r["train/loss"] != 0 for r in plain)
     for d in (runs[False], str(tmp_path / "ro")):  # logging.trace off: nothing written
         assert not [f for f in os.listdir(d) if f.startswith("trace")], os.listdir(d)

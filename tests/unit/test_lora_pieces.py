@@ -138,10 +138,29 @@ def test_peft_config_round_trip_and_partial_targets(tmp_path) -> None:
     got_config, tensors = adapters.read_peft_adapter(str(tmp_path / "a"))
     assert got_config == config and list(tensors) == ["model.layers.0.self_attn.o_proj.lora_A.weight"]
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
-    with pytest.raises(CheckpointError, match="use_dora=True is not supported"):
+    with pytest.raises(CheckpointError, match=r"use_dora=True \(DoRA's magnitude vectors\) is not honoured here"):
         adapters.read_peft_adapter(str(tmp_path / "a"))
     with pytest.raises(CheckpointError, match="adapter_config.json is missing"):
         adapters.read_peft_adapter(str(tmp_path))
+
+
+@pytest.mark.parametrize("key, value, why", [
+    ("alpha_pattern", {"q_proj": 64}, "a per-module lora_alpha"),
+    ("rank_pattern", {"down_proj": 2}, "a per-module rank"),
+    ("bias", "lora_only", "trained biases"),
+    ("modules_to_save", ["lm_head"], "whole modules trained"),
+    ("use_rslora", True, "rsLoRA"),
+    ("layers_to_transform", [0], "adapters on some layers only"),
+    ("some_future_option", {"x": 1}, "a PEFT option this loader does not implement"),
+])
+def test_peft_fields_that_change_the_function_are_refused_by_name(key: str, value, why: str) -> None:
+    from peft import LoraConfig
+
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj"]).to_dict()
+    config = {k: (v.value if hasattr(v, "value") else v) for k, v in config.items()}  # PeftType → its string
+    adapters.check_peft_fields(config, where="adapter_config.json")  # PEFT's own defaults: nothing refused
+    with pytest.raises(CheckpointError, match=rf"^adapter_config.json: {key}=.*\({why}.*is not honoured here"):
+        adapters.check_peft_fields({**config, key: value}, where="adapter_config.json")
 
 
 def test_canonical_adapter_is_layout_free_and_starts_at_zero() -> None:

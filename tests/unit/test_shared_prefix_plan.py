@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import types
+
 import pytest
 import torch
 
 from megatron_flash.trainer.packing import MicroBatch, SampleTooLong, Unit, plan_micro_batches
-from megatron_flash.trainer.shared_prefix import PromptMismatch, row_layout, shared_units
+from megatron_flash.trainer.shared_prefix import PromptMismatch, UnsharedWarning, row_layout, shared_units, sharing
 
 
 def batch() -> tuple[torch.Tensor, list[int], list[int], list[int]]:
@@ -94,3 +97,41 @@ def test_shared_flops_by_hand() -> None:
     assert shared_flops(spec, 3, [5, 4]) == 6 * n * 6 + 12 * ad * 19 * 2
     assert shared_flops(spec, 0, [5]) == train_flops(spec, [5])  # nothing shared: the usual count
     assert train_flops(spec, [5, 4]) == 6 * n * 9 + 12 * ad * 25 * 2
+
+
+def _spec():
+    from megatron_flash.hf.spec import HFModelSpec
+
+    return HFModelSpec(family="llama", architecture="LlamaForCausalLM", vocab_size=100, hidden_size=16,
+                       ffn_hidden_size=24, num_layers=2, num_attention_heads=4, num_query_groups=2, head_dim=4,
+                       norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=False,
+                       qkv_bias=False, qk_norm=False)
+
+
+def test_saved_fraction_by_hand() -> None:
+    """batch(): 18 tokens; group 0's prompt of 3 is computed once instead of three times: 6 saved."""
+    tokens, lengths, prompts, groups = batch()
+    b = types.SimpleNamespace(tokens=tokens, group_ids=torch.tensor(groups), prompt_lengths=torch.tensor(prompts))
+    full = sharing(_spec(), b, lengths, max_tokens=0, max_samples=8)
+    assert full.saved_frac == pytest.approx(6 / 18) and full.unshared == "" and full.flops is not None
+    assert sharing(_spec(), b, lengths, max_tokens=8, max_samples=8).saved_frac == pytest.approx(3 / 18)
+    apart = sharing(_spec(), b, lengths, max_tokens=0, max_samples=1)
+    assert apart.saved_frac == 0.0 and "no group has two samples" in apart.unshared
+    bare = sharing(_spec(), types.SimpleNamespace(tokens=tokens, group_ids=None, prompt_lengths=None), lengths,
+                   max_tokens=0, max_samples=8)
+    assert bare.saved_frac == 0.0 and bare.flops is None and "no group_ids or prompt_lengths" in bare.unshared
+
+
+def test_unshared_batches_warn_first_and_then_every_hundredth(caplog: pytest.LogCaptureFixture) -> None:
+    warn = UnsharedWarning()
+    with caplog.at_level(logging.WARNING, logger="megatron_flash.trainer.shared_prefix"):
+        warn("")  # something shared: no line, not counted
+        for _ in range(150):
+            warn("a reason")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "shares nothing: a reason (1 such batches so far)" in lines[0]
+    assert "(101 such batches so far)" in lines[1]
+    caplog.clear()
+    quiet = UnsharedWarning(enabled=False)  # not rank 0
+    quiet("a reason")
+    assert not caplog.records and quiet.count == 1

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shlex
 import sys
 from typing import List, Optional
 
@@ -65,9 +66,28 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="YAML file of overrides to the schema defaults; repeatable, later files win")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config as YAML and exit")
+    parser.add_argument("--print-engine-flags", choices=("sglang", "local"), metavar="BACKEND",
+                        help="print, as shell words, the flags an engine server of BACKEND (sglang|local) started "
+                             "outside the run gets from this config (engines.server_args and what the run needs), "
+                             "and exit; the multi-node Slurm template passes them to the servers it starts")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="dotted overrides applied after the files, e.g. optimizer.lr=1e-5")
     return parser.parse_args(argv)
+
+
+def engine_flags(cfg: RunConfig, backend: str) -> List[str]:
+    """The server flags of this run's engines when something else starts them (engines.backend=attach
+    in the multi-node template): the config's engines.server_args, plus LoRA serving and route capture
+    where the run needs them."""
+    from megatron_flash.engines.launcher import engine_server_args, server_args_to_flags
+
+    lora = None
+    if cfg.lora_sync_mode() == "adapter":
+        from megatron_flash.controller.assembly import lora_serving
+
+        lora = lora_serving(cfg)
+    return server_args_to_flags(engine_server_args(cfg.engines, backend=backend, lora_adapters=lora,
+                                                   return_routed_experts=cfg.trainer.moe_routing_replay == "rollout"))
 
 
 def check_paths(cfg: RunConfig) -> None:
@@ -170,6 +190,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.print_config:
         if _is_local_leader():
             sys.stdout.write(config_to_yaml(cfg))
+        return 0
+    if args.print_engine_flags:
+        print(shlex.join(engine_flags(cfg, args.print_engine_flags)))
         return 0
     from megatron_flash.hf.hub import resolve_dataset_path, resolve_model_path
 

@@ -165,6 +165,9 @@ def render(template: os.PathLike | str, *, nodelist: str = "node[01-04]", gpus_p
             DRY_RUN="1", SLURM_JOB_ID=job_id, SLURM_JOB_NAME=job_name or template.stem,
             SLURM_JOB_NODELIST=nodelist, SLURM_NNODES=str(len(hosts)), SLURM_GPUS_PER_NODE=str(gpus_per_node),
             SLURM_CPUS_ON_NODE=str(cpus_per_node), SLURM_SUBMIT_DIR=str(repo),
+            # the interpreter a template reads the config with (the multi-node one: its engines'
+            # flags); in a job that is $PYTHON after VENV, here the one rendering
+            MF_CONFIG_PYTHON=sys.executable,
         )
         job_env.update(env or {})
         job_env["MF_RENDER_SRUN_CALLS"] = str(bin_dir / "srun.calls")

@@ -10,6 +10,12 @@ dotted key, the source (file or override) and, for unknown keys, the closest val
 Keys are checked against the schema here, before OmegaConf sees them, so that a misspelled section
 (``los.name``) or a YAML key written with dots gets the same message as a misspelled field.
 Keys below free-form mapping fields (``loss.params``, ``engines.server_args``) are not checked.
+
+Overrides set one value (``engines.server_args.context_length=160``), replace a free-form mapping
+whole when given one (``engines.server_args={}`` empties it, ``loss.params={eps: 0.1}`` leaves only
+that entry: a file's mapping entries cannot survive it), or delete with a leading ``~``:
+``~engines.server_args.context_length`` removes one entry (refused when it is not there), ``~model.dtype``
+puts a field back to the schema's default. Files merge: a later file's mapping adds to an earlier one's.
 """
 
 from __future__ import annotations
@@ -315,6 +321,30 @@ def _translate(err: OmegaConfBaseException, leaves: Dict[str, Any], source: str)
     return ConfigError(f"{where}{first_line} [{source}]", key=full_key or None)
 
 
+def _free_mapping(key: str) -> bool:
+    return key in _LEAVES and typing.get_origin(_LEAVES[key]) in (dict, Dict)
+
+
+def _delete(merged: Any, item: str) -> Any:
+    """``~key``: a schema field back to its default, or one entry out of a free-form mapping."""
+    key = item[1:].strip()
+    source = f"override '{item}'"
+    if "=" in key or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"{source}: ~ takes a key and no value (e.g. ~engines.server_args.context_length)")
+    if key in _LEAVES:
+        OmegaConf.update(merged, key, OmegaConf.select(_defaults(), key), merge=False)
+        return merged
+    parent, _, name = key.rpartition(".")
+    if not _free_mapping(parent):
+        raise ConfigError(f"{_unknown_key_message(key)} [{source}]", key=key)
+    node = OmegaConf.select(merged, parent)
+    if name not in node:
+        raise ConfigError(f"{source}: {parent} has no entry '{name}' to delete (it has: "
+                          f"{', '.join(map(str, node)) or 'nothing'})", key=key)
+    del node[name]
+    return merged
+
+
 @functools.lru_cache(maxsize=1)
 def _defaults() -> Any:
     # Building the structured node costs ~40 ms; config-heavy tests load hundreds of times.
@@ -348,8 +378,13 @@ def load_config(
     for path in paths:
         merged = _merge(merged, _read_yaml(path), os.fspath(path))
     for item in overrides:
+        if item.startswith("~"):
+            merged = _delete(merged, item)
+            continue
         key, value = _parse_override(item)
         merged = _merge(merged, _nest(key, value), f"override '{item}'")
+        if _free_mapping(key) and isinstance(value, Mapping):  # replaces: nothing of earlier entries stays
+            OmegaConf.update(merged, key, value, merge=False)
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:  # interpolations resolve here, e.g. ${oc.env:VAR}

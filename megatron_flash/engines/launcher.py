@@ -88,6 +88,23 @@ def server_args_to_flags(server_args: Mapping[str, Any]) -> List[str]:
     return argv
 
 
+def engine_server_args(config: Any, *, backend: str, return_routed_experts: bool = False,
+                       lora_adapters: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """The flags an engine server of `backend` gets for this run: `config.server_args` (an EngineConfig's)
+    plus what the run needs of it (EngineLauncher.from_config says which)."""
+    server_args = dict(config.server_args)
+    if lora_adapters:
+        server_args.setdefault("enable-lora", True)
+        if backend == "sglang":
+            server_args.setdefault("max-lora-rank", lora_adapters["rank"])
+            server_args.setdefault("lora-target-modules", list(lora_adapters["target_modules"]))
+    if config.colocate and backend == "sglang":
+        server_args.setdefault("enable-memory-saver", True)  # else releasing memory frees nothing
+    if return_routed_experts and backend == "sglang":
+        server_args.setdefault("enable-return-routed-experts", True)  # else requests get no routes
+    return server_args
+
+
 @dataclass(frozen=True)
 class EngineCommand:
     """How to start one engine server: the argv prefix plus which flags it understands."""
@@ -196,16 +213,8 @@ class EngineLauncher:
         ``return_routed_experts``: the run replays MoE routes, so SGLang must record them.
         ``lora_adapters`` ({"rank": r, "target_modules": [...]}): LoRA adapters will be pushed by name,
         so the engines serve them (SGLang: up to this rank, on these modules)."""
-        server_args = dict(config.server_args)
-        if lora_adapters:
-            server_args.setdefault("enable-lora", True)
-            if config.backend == "sglang":
-                server_args.setdefault("max-lora-rank", lora_adapters["rank"])
-                server_args.setdefault("lora-target-modules", list(lora_adapters["target_modules"]))
-        if config.colocate and config.backend == "sglang":
-            server_args.setdefault("enable-memory-saver", True)  # else releasing memory frees nothing
-        if return_routed_experts and config.backend == "sglang":
-            server_args.setdefault("enable-return-routed-experts", True)  # else requests get no routes
+        server_args = engine_server_args(config, backend=config.backend, return_routed_experts=return_routed_experts,
+                                         lora_adapters=lora_adapters)
         return cls(backend=config.backend, model_path=model_path, num_engines=config.num_engines,
                    urls=config.urls, host=config.host, base_port=config.base_port, tp_size=config.tp_size,
                    gpu_ids=config.gpu_ids, server_args=server_args, api_key=config.api_key,

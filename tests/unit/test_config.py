@@ -439,3 +439,35 @@ def test_admission_names_match_the_staleness_module() -> None:
     from megatron_flash.config.schema import ADMISSIONS
 
     assert ADMISSIONS == RULES
+
+
+def test_override_with_a_mapping_replaces_a_free_form_mapping() -> None:
+    """A file merges into a mapping; `key={...}` on the command line replaces it (so `{}` clears it),
+    `key.entry=v` sets one entry, and `~key.entry` deletes one."""
+    path = REPO_ROOT / "configs" / "smollm2_arith_cpu.yaml"
+    base = ["model.hf_path=/m"]
+    assert load_config(path, base).engines.server_args == {"max_running_requests": 32, "context_length": 160}
+    assert load_config(path, base + ["engines.server_args={}"]).engines.server_args == {}
+    assert load_config(path, base + ["engines.server_args={dtype: bfloat16}"]).engines.server_args == {"dtype": "bfloat16"}
+    assert load_config(path, base + ["engines.server_args.dtype=bfloat16"]).engines.server_args == {
+        "max_running_requests": 32, "context_length": 160, "dtype": "bfloat16"}
+    assert load_config(path, base + ["~engines.server_args.context_length"]).engines.server_args == {
+        "max_running_requests": 32}
+    # a later override still adds to a replaced mapping, in command-line order
+    assert load_config(path, base + ["engines.server_args={}", "engines.server_args.a=1"]).engines.server_args == {"a": 1}
+    # the multi-node template's clear makes a config with engine flags attachable
+    attach = ["engines.backend=attach", "engines.urls=[http://h:1]", "engines.server_args={}"]
+    assert load_config(path, base + attach).engines.backend == "attach"
+    with pytest.raises(ConfigError, match="engines.server_args must be empty with engines.backend=attach"):
+        load_config(path, base + attach[:2])
+
+
+def test_tilde_puts_a_field_back_to_its_default_and_names_what_is_missing() -> None:
+    cfg = load_config(None, ["model.hf_path=/m", "optimizer.lr=0.5", "~optimizer.lr"])
+    assert cfg.optimizer.lr == schema.OptimizerConfig().lr
+    with pytest.raises(ConfigError, match=r"engines.server_args has no entry 'nope' to delete \(it has: nothing\)"):
+        load_config(None, ["~engines.server_args.nope"])
+    with pytest.raises(ConfigError, match="unknown config key 'optimizer.lrr'"):
+        load_config(None, ["~optimizer.lrr"])
+    with pytest.raises(ConfigError, match="~ takes a key and no value"):
+        load_config(None, ["~optimizer.lr=3"])

@@ -249,7 +249,11 @@ def test_usr1_signals_trainer_ranks_not_torchrun(rendered: Dict) -> None:
 def test_user_overrides_come_last(rendered: Dict) -> None:
     for name, r in rendered.items():
         for trainer in r.role("trainer"):
-            assert trainer.script_args[-1] == USER_OVERRIDE, name
+            args = trainer.script_args
+            if name == "multi_node_disaggregated":  # the servers started there took engines.server_args
+                assert args[-1] == "engines.server_args={}"
+                args = args[:-1]
+            assert args[-1] == USER_OVERRIDE, name
             assert trainer.script_args[:2] == ["--config", {
                 "multi_node_disaggregated": "configs/qwen3_32b_rlvr_gpu.yaml"}.get(name, "configs/qwen3_8b_rlvr_gpu.yaml")]
 
@@ -408,7 +412,8 @@ def _fake_cluster(tmp_path: Path, hosts: str, job_id: str, rank: str) -> Dict[st
             "FAKE_HOSTS": hosts, "FAKE_PY": sys.executable, "FAKE_RANK": rank, "SLURM_JOB_ID": job_id,
             "SLURM_JOB_NODELIST": hosts.replace(" ", ","), "SLURM_CPUS_ON_NODE": "2", "SLURM_GPUS_PER_NODE": "2",
             "SLURM_SUBMIT_DIR": str(REPO), "MODEL_PATH": MODEL, "SGLANG_API_KEY": SECRET,
-            "LOG_DIR": str(tmp_path / "logs"), "PYTHON": str(bin_dir / "fake_python")}
+            "LOG_DIR": str(tmp_path / "logs"), "PYTHON": str(bin_dir / "fake_python"),
+            "MF_CONFIG_PYTHON": sys.executable}  # PYTHON is the fake engine: the config is read with the real one
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
@@ -446,7 +451,7 @@ def test_multi_node_real_mode_usr1_checkpoints_and_requeues(tmp_path: Path) -> N
     assert (tmp_path / "trainer.key").read_text() == SECRET
     args = (tmp_path / "torchrun.args").read_text().split("\n")
     assert f"engines.urls=[http://127.0.0.1:{ports[0]},http://127.0.0.1:{ports[1]}]" in args
-    assert "checkpoint.resume=true" in args and args[-2] == USER_OVERRIDE
+    assert "checkpoint.resume=true" in args and args[-3:-1] == [USER_OVERRIDE, "engines.server_args={}"]
     assert SECRET not in out and SECRET not in err
     assert "engines healthy" in out and "USR1" in out
 

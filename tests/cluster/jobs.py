@@ -24,6 +24,9 @@ SLURM_CONF = os.path.join(STATE, "etc", "slurm.conf")
 WARM_MODEL = os.path.join(REPO, "runs", "bench_models", "sort4_quickstart_s0", "warm_model")
 RUNS = os.path.join(REPO, ".cache", "cluster-runs")
 API_KEY = "cluster-test-key-7f3a"  # the engines' key for these jobs (a real job generates one)
+# The multi-node template on the three CPU hosts: 2 trainer hosts of one rank each, one engine host.
+MULTI_ENV = {"TRAIN_NODES": "2", "GPUS_PER_NODE": "1", "ENGINE_TP": "1", "HEALTH_POLL_S": "1",
+             "ENGINE_STARTUP_TIMEOUT": "120", "ENGINE_ARGS": "--num-threads 1"}
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
             "DEADLINE", "PREEMPTED"}
 

@@ -19,8 +19,7 @@ import os
 import signal
 import time
 
-from tests.cluster.jobs import FINISHED, Job, assert_accounted, assert_ledger_exact, host_pids, slurm
-from tests.cluster.test_templates import MULTI_ENV
+from tests.cluster.jobs import MULTI_ENV, FINISHED, Job, assert_accounted, assert_ledger_exact, host_pids, slurm
 
 STEPS, SAVE_EVERY, PROMPTS_PER_STEP, ALPHA = 12, 2, 16, 2
 

@@ -15,14 +15,12 @@ from __future__ import annotations
 import json
 import time
 
-from tests.cluster.jobs import API_KEY, Job, assert_accounted, assert_ledger_exact, in_host, step_table
+from tests.cluster.jobs import API_KEY, MULTI_ENV, Job, assert_accounted, assert_ledger_exact, in_host, step_table
 
-# At alpha 2 the seed-0 warm model (the slowest of the quickstart's seeds) rises slowly at first: one run in a
-# handful is still within noise of its start at step 20 (more often on a loaded box, where staleness sits at
-# 2), and one was flat until step 25 (0.034 -> 0.239 over 30 steps). 40 steps leave room against a bar of +0.1.
-STEPS = 40
-MULTI_ENV = {"TRAIN_NODES": "2", "GPUS_PER_NODE": "1", "ENGINE_TP": "1", "HEALTH_POLL_S": "1",
-             "ENGINE_STARTUP_TIMEOUT": "120", "ENGINE_ARGS": "--num-threads 1"}
+# What the template does is asserted here: it starts, connects, pushes weights exactly and accounts for
+# every sample. Whether the run learns across hosts is a question of steps and seeds, measured by
+# benchmarks/cluster_learning.py (docs/cluster.md): 40 steps of this job there.
+STEPS = 12
 
 
 def curl(host: str, url: str, *headers: str) -> tuple[int, str]:
@@ -33,7 +31,7 @@ def curl(host: str, url: str, *headers: str) -> tuple[int, str]:
     return (int(out[-1]) if out[-1].isdigit() else 0), out[0]
 
 
-def test_multi_node_disaggregated_learns_across_three_hosts(cluster, warm_model) -> None:
+def test_multi_node_disaggregated_runs_across_three_hosts(cluster, warm_model) -> None:
     job = Job("multi", "multi_node_disaggregated.sbatch", MULTI_ENV,
               [f"trainer.total_steps={STEPS}", "trainer.micro_batch_size=64", "data.shuffle=false"],
               sbatch_args=["--nodes=3"])
@@ -62,26 +60,27 @@ def test_multi_node_disaggregated_learns_across_three_hosts(cluster, warm_model)
     assert len(metrics) == STEPS, job.logs()
     assert_accounted(metrics)
     assert_ledger_exact(ledger, steps=STEPS, prompts_per_step=16, alpha=2)
-    # Weights went mf-node1 -> mf-node3 by broadcast every step, and the engine scores as the trainer does.
+    assert max(r["staleness_max"] for r in metrics) <= 2, step_table(metrics)
+    # Weights went mf-node1 -> mf-node3 by broadcast every step (the engine's version follows the trainer's),
+    # and the engine scores as the trainer does.
     assert all(r["sync_gb"] > 0 for r in metrics)
-    assert max(r["train_infer_logprob_diff"] for r in metrics) < 0.05, step_table(metrics)
+    assert max(r["train_infer_logprob_diff"] for r in metrics) < 1e-4, step_table(metrics)
     # Every sampled token's mu is the labelled version's logprob: the engine generated with what it got.
     labelled = [r["mismatch_labelled_abs"] for r in metrics if r.get("mismatch_labelled_abs") is not None]
     assert labelled and max(labelled) < 1e-4, step_table(metrics)
+    assert all(r["train/update_ok"] or r.get("train/zero_grad_skipped") for r in metrics), step_table(metrics)
     first, last = (sum(r["reward_mean"] for r in part) / 5 for part in (metrics[:5], metrics[-5:]))
-    assert last > first + 0.1, (f"reward did not rise: first-5 mean {first:.3f}, last-5 mean {last:.3f}\n"
-                                f"{step_table(metrics)}")
     log = open(job.batch_log).read()
     assert "trainer on mf-node1 mf-node2; engines on mf-node3" in log and "# trainer exit code 0" in log
     for host in ("mf-node1", "mf-node2"):  # one torchrun agent per trainer host, in one rendezvous
         trainer_log = open(f"{job.run_dir}/slurm/trainer-{host}.log").read()
         assert "Traceback" not in trainer_log, trainer_log[-3000:]
-    print(f"multi_node_disaggregated: job {job.job_id} {elapsed:.0f} s, reward {first:.3f} -> {last:.3f}")
+    print(f"multi_node_disaggregated: job {job.job_id} {elapsed:.0f} s, reward {first:.3f} -> {last:.3f} (reported)")
 
 
 def test_single_node_templates_complete(cluster, warm_model) -> None:
     """Both single-node templates at once, one host each (they ask for --exclusive)."""
-    steps = 12  # learning is the multi-node test's check: these two show that the templates run and account
+    steps = 12  # these two show that the templates run and account (learning: benchmarks/cluster_learning.py)
     split = Job("split", "single_node_split.sbatch", {"GPUS_PER_NODE": "2", "TRAIN_GPUS": "1"},
                 [f"trainer.total_steps={steps}", "data.shuffle=false"])
     colocated = Job("colocated", "single_node_colocated.sbatch", {"GPUS_PER_NODE": "1"},

@@ -14,6 +14,8 @@ on the same megatron-core. What it covers, at CI size (≤ 5 minutes on the 2-co
                ledger once, no prompt trained twice
   weight sync  tools/weight_sync/verify.py with ipc, broadcast and disk: the engine serves the new
                weights after each
+  LoRA         adapter steps at TP2 + SP and PP2 against TP1; an adapter checkpoint resumed under TP2
+  layouts      shared-prefix packing (TP1, PP2), a MoE model at EP2, PP2 × VPP2, each against its reference
 """
 
 from __future__ import annotations
@@ -135,3 +137,47 @@ def test_lora_layouts_and_resume(tiny_models, tmp_path) -> None:
                    str(tmp_path))
     saved, resumed = (adapter(str(tmp_path / d / "export_after" / "adapter")) for d in ("save", "tp2"))
     assert max((resumed[k] - saved[k]).abs().max().item() for k in saved) <= 1e-5
+
+
+def test_shared_prefix_moe_and_interleaved_pipeline(tiny_models, four_layer_model, tmp_path) -> None:
+    """This megatron-core under the trainer's other layouts, each against its reference (fp32, gloo):
+
+      case              procs  layout                           compared to   tolerance
+      sp_shared           1    shared prefix, ≤ 24 tokens       sp_plain      two SGD steps (lr 1): 1e-6
+      sp_pp2_shared       2    shared prefix under PP2          sp_plain      two SGD steps (lr 1): 1e-6
+      moe_ep2             2    Qwen3-MoE, EP2 (aux loss off)    moe_ref       one SGD step: 1e-5
+      vpp2                2    PP2 × VPP2, 4-layer Llama        vpp_ref       one SGD step (lr 1): 1e-6
+    """
+    import torch
+
+    from tests.conftest import hf_weights
+    from tests.distributed.grouped_cases import run_layout_cases
+
+    shared = ["--hf-dir", tiny_models["llama"], "--grouped", "--steps", "2", "--lr", "1", "--micro-batch-size", "8",
+              "--max-tokens", "24"]
+    moe = ["--hf-dir", tiny_models["qwen3_moe"], "--moe-aux", "0"]
+    four = ["--hf-dir", four_layer_model, "--lr", "1", "--max-tokens", "24"]
+    runs = run_layout_cases({
+        "sp_plain": (1, shared), "sp_shared": (1, shared + ["--shared-prefix"]),
+        "sp_pp2_shared": (2, shared + ["--shared-prefix", "--pp", "2"]),
+        "moe_ref": (1, moe), "moe_ep2": (2, moe + ["--ep", "2"]),
+        "vpp_ref": (1, four), "vpp2": (2, four + ["--pp", "2", "--vpp", "2"]),
+    }, str(tmp_path / "layouts"))
+
+    def metrics(case: str) -> dict:
+        with open(os.path.join(runs[case], "metrics.json")) as f:
+            return json.load(f)
+
+    for case, ref, tol in (("sp_shared", "sp_plain", 1e-6), ("sp_pp2_shared", "sp_plain", 1e-6),
+                           ("moe_ep2", "moe_ref", 1e-5), ("vpp2", "vpp_ref", 1e-6)):
+        lp_ref, lp = (torch.load(os.path.join(runs[c], "logprobs.pt")) for c in (ref, case))
+        assert (lp - lp_ref).abs().max().item() <= tol, case
+        before = hf_weights(os.path.join(runs[ref], "export0"))
+        want, got = (hf_weights(os.path.join(runs[c], "export1")) for c in (ref, case))
+        assert got.keys() == want.keys()
+        assert max((want[k] - before[k]).abs().max().item() for k in want) > 1e-3, f"{ref}: the step moved nothing"
+        worst = max((got[k] - want[k]).abs().max().item() for k in want)
+        assert worst <= tol, f"{case}: weights after the step differ from {ref} by {worst}"
+        assert metrics(case)["loss"] == pytest.approx(metrics(ref)["loss"], rel=tol, abs=tol), case
+    assert metrics("sp_shared")["tokens_computed"] < metrics("sp_plain")["tokens_computed"]
+    assert metrics("sp_shared")["shared_prefix_saved_frac"] > 0

@@ -1,9 +1,9 @@
-"""The soak of issue 37, compressed to 3 minutes (benchmarks/soak.py --compressed): the quickstart run with
-a trainer SIGTERM and resume, two engine kills, reward errors and two reward timeouts, and one weight sync
-cut mid-transfer; every aim of the long soak asserted, from the benchmark's own verdict (its last stdout
-line), except two that are the long run's: the step-time ratio (a timing, which depends on what else
-the box runs, belongs in the benchmark's report, docs/benchmarks.md "Soak", not in a pass/fail test) and
-"reward still rising at the end" (on a quiet box the quickstart saturates within these 3 minutes, and
+"""The soak, compressed to 2 minutes (benchmarks/soak.py --minutes 2 --compressed): the quickstart run with
+a trainer SIGTERM and resume, an engine kill, reward errors and a reward timeout, and one weight sync cut
+mid-transfer; every aim of the long soak asserted, from the benchmark's own verdict (its last stdout
+line), except those that are the long run's: the step-time aims (timings, which depend on what else the
+box runs, belong in the benchmark's report, docs/benchmarks.md "Soak", not in a pass/fail test) and
+"reward still rising at the end" (on a quiet box the quickstart saturates within these minutes, and
 a saturated reward dips by a few hundredths either way: 0.982 → 0.91 in one run). For the latter the
 test asserts that the run learned through the faults and held it: the last tenth ≥ the first + 0.3
 and ≥ 0.8. The aims can fail: each compares a measured number with its limit (soak_aims.py)."""
@@ -17,14 +17,14 @@ import pytest
 
 from tests.conftest import REPO, run_tool
 
-NOT_HERE = ("step_time_max_over_median", "reward_rising_at_end")
+NOT_HERE = ("step_time_p99_over_median", "step_time_stalls", "reward_rising_at_end")
 
 
 @pytest.mark.serial  # its aims were set on an otherwise idle box
 def test_compressed_soak_meets_every_aim(tmp_path) -> None:
     out = str(tmp_path / "soak")
-    proc = run_tool(["benchmarks/soak.py", "--minutes", "3", "--compressed", "--out", out, "--report-only"],
-                    timeout=420)
+    proc = run_tool(["benchmarks/soak.py", "--minutes", "2", "--compressed", "--out", out, "--report-only"],
+                    timeout=360)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(NOT_HERE) <= set(result["aims"]), result["aims"]
     failed = {name: aim for name, aim in result["aims"].items() if not aim["pass"] and name not in NOT_HERE}
@@ -33,7 +33,7 @@ def test_compressed_soak_meets_every_aim(tmp_path) -> None:
     assert tenths[-1] >= tenths[0] + 0.3 and tenths[-1] >= 0.8, tenths
     # The faults really happened (an aim over nothing would pass vacuously).
     f = result["faults"]
-    assert f["engine_kills"]["injected"] == 2 and f["reward_timeouts"]["injected"] == 2, f
+    assert f["engine_kills"]["injected"] == 1 and f["reward_timeouts"]["injected"] == 1, f
     assert f["reward_errors"]["injected"] > 0 and f["sync_cut"]["injected"] == 1, f
     assert f["trainer_sigterm"]["exit_code"] == 0, f
     assert os.path.isfile(os.path.join(out, "samples.csv")) and os.path.isfile(os.path.join(out, "soak.png"))

@@ -17,7 +17,6 @@ import pytest
 from megatron_flash.ports import free_ports
 from megatron_flash.rollout.proxy import LLMProxy
 from megatron_flash.engines.launcher import EngineLauncher, probe_health
-from tests.shm import leaked_shm, shm_names
 
 
 
@@ -125,6 +124,7 @@ class RunWatch:
         raise AssertionError(f"gave up waiting; run alive: {alive()}; last rows: {self.rows()[-3:]}")
 
 
+@pytest.mark.serial  # compares /dev/shm before and after: another test's files there would show up
 def test_launcher_restarts_a_killed_engine_and_the_run_resyncs_it(tiny_models, tmp_path) -> None:
     """The product with two launched local engines; engine 0 is killed (-9) mid-run. The launcher
     must start it again, the next push must send it the trainer's weights, and it must serve again
@@ -145,7 +145,7 @@ def test_launcher_restarts_a_killed_engine_and_the_run_resyncs_it(tiny_models, t
             "logging.wandb_mode=disabled", "logging.tensorboard=false", "async_rl.alpha=1",
             "rollout.runner=process"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
-    shm_before = shm_names()
+    shm_before = set(os.listdir("/dev/shm"))
     proc = subprocess.Popen([sys.executable] + args, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     watch = RunWatch(run_dir)
@@ -169,7 +169,7 @@ def test_launcher_restarts_a_killed_engine_and_the_run_resyncs_it(tiny_models, t
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-4000:]
-    assert not leaked_shm(shm_before)  # staged ipc buffers are memfds: nothing named, nothing left
+    assert set(os.listdir("/dev/shm")) == shm_before  # staged ipc buffers are memfds: nothing named, nothing left
     assert survivor != victim  # a new process serves engine 0
     table = watch.rows()
     first = assert_restarted_once_and_resynced(table, killed_after, fleet_versions)

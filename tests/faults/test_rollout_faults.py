@@ -35,7 +35,6 @@ from megatron_flash.engines.launcher import EngineLauncher
 from megatron_flash.ports import free_ports
 from tests.conftest import REPO, memfd_links
 from tests.faults.faulty_engine import FaultyEngine
-from tests.shm import leaked_shm, shm_names
 
 N, PROMPTS_PER_STEP, ALPHA = 4, 4, 1
 REFUSED, RAISES, FAILS, NAN, HANGS = 1, 2, 3, 4, 5
@@ -68,6 +67,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.serial  # compares /dev/shm before and after: another test's files there would show up
 def test_engine_and_reward_faults_are_survived_counted_and_accounted(tiny_models, tmp_path) -> None:
     run_dir, data = str(tmp_path / "run"), str(tmp_path / "prompts.jsonl")
     write_dataset(data)
@@ -79,7 +79,7 @@ def test_engine_and_reward_faults_are_survived_counted_and_accounted(tiny_models
                  "engines.backend=attach", "engines.num_engines=1", f"checkpoint.save_dir={run_dir}/ckpt",
                  "checkpoint.save_interval=0", "logging.wandb_mode=disabled", "logging.tensorboard=false"]
     prompts = [p.prompt_ids for p in _dataset(overrides)]
-    shm_before = shm_names()
+    shm_before = set(os.listdir("/dev/shm"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "PYTHONWARNINGS": "ignore",
            "MF_FAULT_DIR": str(tmp_path)}
     launcher = EngineLauncher(backend="local", model_path=tiny_models["llama"], num_engines=1,
@@ -171,7 +171,7 @@ def test_engine_and_reward_faults_are_survived_counted_and_accounted(tiny_models
     while any(alive(p) for p in reward_pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in reward_pids), reward_pids
-    assert not leaked_shm(shm_before)
+    assert set(os.listdir("/dev/shm")) == shm_before
     assert len(engine_memfds) <= 2, engine_memfds
     print(f"{len(table)} steps in {wall:.0f} s; events: " +
           ", ".join(f"{a}={sum(x == a for _, _, x in events)}" for a in ("refuse", "error", "burst", "stall", "garbage")))

@@ -34,6 +34,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from megatron_flash.config.sections.model import LORA_TARGETS
 from megatron_flash.hf.adapters import (
     ADAPTER_PARAMS,
     TARGET_MODULES,
@@ -47,7 +48,7 @@ from megatron_flash.hf.layouts import Layout
 from megatron_flash.hf.name_maps import name_map_for
 from megatron_flash.hf.spec import CheckpointError, HFModelSpec
 
-TARGETS = tuple(TARGET_MODULES)
+TARGETS = LORA_TARGETS
 DENSE_ONLY = ("fc1", "fc2")  # a MoE layer's MLP is its experts: no adapters there yet
 
 

@@ -449,11 +449,14 @@ def test_eval_section_refuses_what_it_cannot_use() -> None:
         QUICKSTART, ["eval.datasets={held: {task: sort4}}", "trainer.mode=rollout_only"])
 
 
-def test_admission_names_match_the_staleness_module() -> None:
+def test_admission_names_are_defined_once() -> None:
+    """The rules' names live in the config; the staleness module that implements them and the planner
+    use that very tuple."""
     from megatron_flash.buffer.staleness import ADMISSIONS as RULES
     from megatron_flash.config.schema import ADMISSIONS
+    from megatron_flash.planner import ADMISSIONS as PLANNED
 
-    assert ADMISSIONS == RULES
+    assert ADMISSIONS is RULES is PLANNED == ("tokens", "adaptive", "eager")
 
 
 def test_override_with_a_mapping_replaces_a_free_form_mapping() -> None:

@@ -10,14 +10,14 @@
   trace        — (the run's timeline and request activity)          no
   versions     — (the tested spans; read by setup.py)               no
   memprobe     — (MF_MEMPROBE: a process's memory profile)           no
-  planner      —                                                    no
   recipes      types (per-step batch shaping and diagnostics)       no
   tracking     config, trace                                        no
   losses       types                                                no
   rewards      config, named, trace, types                          no
-  buffer       trace, types                                         no
+  buffer       config, trace, types                                 no
   engines      ports, types                                         no
-  hf           —                                                    yes
+  hf           config (the LoRA target names)                       yes
+  planner      buffer, config (the product's admission rule)        no
   rollout      buffer, config, counters, engines, named, rewards,   no
                trace, types
   agentic      config, counters, engines, named, ports, rewards,    no
@@ -47,10 +47,10 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_flash"
 ALLOWED: dict[str, set[str]] = {
-    "config": set(), "types": set(), "ports": set(), "named": set(), "counters": set(), "planner": set(),
+    "config": set(), "types": set(), "ports": set(), "named": set(), "counters": set(), "planner": {"buffer", "config"},
     "trace": set(), "versions": set(), "memprobe": set(), "recipes": {"types"},
     "tracking": {"config", "trace"}, "losses": {"types"}, "rewards": {"config", "named", "trace", "types"},
-    "buffer": {"trace", "types"}, "engines": {"ports", "types"}, "hf": set(),
+    "buffer": {"config", "trace", "types"}, "engines": {"ports", "types"}, "hf": {"config"},
     "rollout": {"buffer", "config", "counters", "engines", "named", "rewards", "trace", "types"},
     "agentic": {"config", "counters", "engines", "named", "ports", "rewards", "rollout", "trace", "types"},
     "trainer": {"config", "hf", "losses", "ports", "types", "versions"},
@@ -58,9 +58,9 @@ ALLOWED: dict[str, set[str]] = {
 }
 ALLOWED["controller"] = set(ALLOWED)
 LAYERS: list[tuple[str, ...]] = [  # lowest first
-    ("config", "types", "ports", "named", "counters", "trace", "planner", "versions", "memprobe", "hf"),
-    ("recipes", "tracking", "losses", "rewards", "buffer", "engines"),
-    ("rollout", "trainer", "weight_sync"),
+    ("config", "types", "ports", "named", "counters", "trace", "versions", "memprobe"),
+    ("recipes", "tracking", "losses", "rewards", "buffer", "engines", "hf"),
+    ("rollout", "trainer", "weight_sync", "planner"),
     ("agentic",),
     ("controller",),
 ]

@@ -8,7 +8,8 @@ from typing import ClassVar
 from megatron_flash.config.sections.base import _Section
 
 STALE_POLICIES = ("drop", "regenerate")
-ADMISSIONS = ("tokens", "adaptive", "eager")  # = buffer/staleness.py ADMISSIONS (a unit test keeps them equal)
+ADMISSIONS = ("tokens", "adaptive", "eager")
+"""The admission rules (async_rl.admission), defined here only; buffer/staleness.py implements them."""
 
 
 @dataclass

@@ -11,7 +11,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 TRI_STATE = ("auto", "true", "false")
 ATTENTION_BACKENDS = ("auto", "flash", "local")
 MOE_DISPATCHERS = ("auto", "allgather", "alltoall")
-LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")  # = trainer/lora.py TARGETS (a unit test keeps them equal)
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
+"""LoRA targets (model.lora.targets), defined here only: attention's fused q/k/v, its output projection,
+the SwiGLU gate/up and the MLP's down projection (hf/adapters.py maps each to its modules)."""
 
 
 @dataclass

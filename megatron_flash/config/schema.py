@@ -20,35 +20,46 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Dict
 
-from megatron_flash.config.sections.agentic import AgenticConfig, TOOL_PARSER_NAMES  # noqa: F401
-from megatron_flash.config.sections.async_rl import AsyncConfig, STALE_POLICIES, ADMISSIONS  # noqa: F401
-from megatron_flash.config.sections.base import _Section  # noqa: F401
-from megatron_flash.config.sections.checkpoint import CheckpointConfig  # noqa: F401
-from megatron_flash.config.sections.data import DataConfig  # noqa: F401
-from megatron_flash.config.sections.distill import (  # noqa: F401
+from megatron_flash.config.sections.agentic import AgenticConfig, TOOL_PARSER_NAMES
+from megatron_flash.config.sections.async_rl import AsyncConfig, STALE_POLICIES, ADMISSIONS
+from megatron_flash.config.sections.base import _Section
+from megatron_flash.config.sections.checkpoint import CheckpointConfig
+from megatron_flash.config.sections.data import DataConfig
+from megatron_flash.config.sections.distill import (
     DistillConfig, DISTILL_MODES, DEFAULT_DISTILL_TOPK, DISTILL_STUDENT_LOGPROBS,
 )
-from megatron_flash.config.sections.engines import EngineConfig, ENGINE_BACKENDS  # noqa: F401
-from megatron_flash.config.sections.engines import _ENGINE_OWNED_FLAGS  # noqa: F401
-from megatron_flash.config.sections.eval import EvalConfig  # noqa: F401
-from megatron_flash.config.sections.logging import LoggingConfig, WANDB_MODES  # noqa: F401
-from megatron_flash.config.sections.loss import (  # noqa: F401
+from megatron_flash.config.sections.engines import EngineConfig, ENGINE_BACKENDS
+from megatron_flash.config.sections.engines import _ENGINE_OWNED_FLAGS
+from megatron_flash.config.sections.eval import EvalConfig
+from megatron_flash.config.sections.logging import LoggingConfig, WANDB_MODES
+from megatron_flash.config.sections.loss import (
     LossConfig, AGGREGATIONS, ADVANTAGES, PROX_LOGPROBS, KL_ESTIMATORS,
 )
-from megatron_flash.config.sections.model import (  # noqa: F401
+from megatron_flash.config.sections.model import (
     LoraConfig, ModelConfig, DTYPES, TRI_STATE, ATTENTION_BACKENDS, MOE_DISPATCHERS, LORA_TARGETS,
 )
-from megatron_flash.config.sections.optimizer import OptimizerConfig, OPTIMIZERS, LR_DECAY_STYLES  # noqa: F401
-from megatron_flash.config.sections.parallel import ParallelConfig, DIST_BACKENDS  # noqa: F401
-from megatron_flash.config.sections.rollout import (  # noqa: F401
+from megatron_flash.config.sections.optimizer import OptimizerConfig, OPTIMIZERS, LR_DECAY_STYLES
+from megatron_flash.config.sections.parallel import ParallelConfig, DIST_BACKENDS
+from megatron_flash.config.sections.rollout import (
     RolloutConfig, DYNAMIC_FILTERS, PAUSE_MODES, ROLLOUT_RUNNERS,
 )
-from megatron_flash.config.sections.trainer import (  # noqa: F401
+from megatron_flash.config.sections.trainer import (
     TrainerConfig, RECOMPUTE, RECOMPUTE_METHODS, ROUTING_REPLAY, ModeTraits, RUN_MODES,
 )
-from megatron_flash.config.sections.weight_sync import (  # noqa: F401
+from megatron_flash.config.sections.weight_sync import (
     WeightSyncConfig, WEIGHT_TRANSPORTS, LORA_SYNC_MODES,
 )
+
+__all__ = [  # every section's names, for `from megatron_flash.config.schema import ...`
+    "ADMISSIONS", "ADVANTAGES", "AGGREGATIONS", "ATTENTION_BACKENDS", "AgenticConfig", "AsyncConfig",
+    "CheckpointConfig", "DEFAULT_DISTILL_TOPK", "DISTILL_MODES", "DISTILL_STUDENT_LOGPROBS", "DIST_BACKENDS",
+    "DTYPES", "DYNAMIC_FILTERS", "DataConfig", "DistillConfig", "ENGINE_BACKENDS", "EngineConfig", "EvalConfig",
+    "KL_ESTIMATORS", "LORA_SYNC_MODES", "LORA_TARGETS", "LR_DECAY_STYLES", "LoggingConfig", "LoraConfig",
+    "LossConfig", "MOE_DISPATCHERS", "ModeTraits", "ModelConfig", "OPTIMIZERS", "OptimizerConfig", "PAUSE_MODES",
+    "PROX_LOGPROBS", "ParallelConfig", "RECOMPUTE", "RECOMPUTE_METHODS", "ROLLOUT_RUNNERS", "ROUTING_REPLAY",
+    "RUN_MODES", "RolloutConfig", "RunConfig", "STALE_POLICIES", "TOOL_PARSER_NAMES", "TRI_STATE", "TrainerConfig",
+    "WANDB_MODES", "WEIGHT_TRANSPORTS", "WeightSyncConfig", "_ENGINE_OWNED_FLAGS", "_Section",
+]
 
 
 @dataclass

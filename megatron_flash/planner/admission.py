@@ -17,7 +17,7 @@ The lookahead L (batches) starts at α (eager), min(1, α) (adaptive) or min(max
 
 from __future__ import annotations
 
-from megatron_flash.buffer.staleness import ADMISSIONS, Lookahead, capacity, late_share  # noqa: F401
+from megatron_flash.buffer.staleness import ADMISSIONS, Lookahead, capacity
 from megatron_flash.config.sections.async_rl import AsyncConfig
 
 DEFAULT_ADMISSION = AsyncConfig().admission

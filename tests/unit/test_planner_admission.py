@@ -21,7 +21,9 @@ def test_the_planner_runs_the_products_rule():
 
     assert issubclass(mirror.Admission, product.Lookahead)
     assert mirror.ADMISSIONS is product.ADMISSIONS is ADMISSIONS
-    assert mirror.late_share is product.late_share and mirror.capacity is product.capacity
+    from megatron_flash.planner import simulation
+
+    assert simulation.late_share is product.late_share and mirror.capacity is product.capacity
     for alpha in range(5):
         assert mirror.Admission(admission="adaptive", alpha=alpha, batch_size=4).lookahead == product.lookahead_floor(alpha)
 

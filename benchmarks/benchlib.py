@@ -45,8 +45,11 @@ def uncorrected_opt_in(loss: str, alpha: int, *, code: str = REPO, params: Optio
     revision from before it neither refuses nor knows it); else []."""
     from megatron_flash.losses import get_loss
 
-    with open(os.path.join(code, "megatron_flash", "config", "schema.py")) as f:
-        knows = "allow_uncorrected:" in f.read()
+    import glob
+
+    config = os.path.join(code, "megatron_flash", "config")  # the schema, in one file or a module per section
+    knows = any("allow_uncorrected:" in open(p).read()
+                for p in [os.path.join(config, "schema.py"), *glob.glob(os.path.join(config, "sections", "*.py"))])
     return ["loss.allow_uncorrected=true"] if alpha > 0 and knows and get_loss(loss, **(params or {})).on_policy else []
 
 

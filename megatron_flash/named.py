@@ -9,7 +9,32 @@ what is known.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, MutableMapping, TypeVar
+
+T = TypeVar("T")
+
+
+def check_name(name: Any, *, what: str) -> str:
+    """A registrable name: a non-empty string without ':' (which marks "module:attr")."""
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"{what} name must be a non-empty string without ':', got {name!r}")
+    return name
+
+
+def add(registry: MutableMapping[str, Any], name: str, obj: T, *, what: str) -> T:
+    """`registry[name] = obj`, refusing a name already taken."""
+    if name in registry:
+        raise ValueError(f"{what} {name!r} is already registered")
+    registry[name] = obj
+    return obj
+
+
+def registrar(registry: MutableMapping[str, Any], *, what: str) -> Callable[[str], Callable[[T], T]]:
+    """`register(name)`: a decorator that puts the decorated object in `registry` under a new `name`."""
+    def register(name: str) -> Callable[[T], T]:
+        check_name(name, what=what)
+        return lambda obj: add(registry, name, obj, what=what)
+    return register
 
 
 def import_named(spec: str, *, what: str, noun: str = "function") -> Any:

@@ -33,7 +33,7 @@ import logging
 from typing import Any, Callable, Optional
 
 from megatron_flash.counters import Counters
-from megatron_flash.rollout.group_runner import GroupDropped, first_successes
+from megatron_flash.rollout.group_runner import quiet_abort, redundant_group
 from megatron_flash.trace import TRACER, tag_requests
 from megatron_flash.types import Sample
 
@@ -155,33 +155,15 @@ class EnvGroupRunner:
 
     # ------------------------------------------------------------------ one group
     async def run_group(self, *, group_id: int, prompt: SeedPrompt, version: int, group_size: int) -> list[Sample]:
-        total = group_size + self.cfg.redundancy
         current: dict[int, str] = {}  # episode → rid of its in-flight request (to abort when cancelled)
-        tasks = [asyncio.create_task(self._episode(prompt, group_id, i, version, current)) for i in range(total)]
-        finished: list[Sample] = []
-        try:
-            finished = await first_successes(tasks, group_size, what=f"group {group_id}")
-        finally:
-            pending = [t for t in tasks if not t.done()]
-            for t in pending:
-                t.cancel()
-            if pending:
-                self.stats.cancelled_redundant += len(pending)
-                await asyncio.gather(*[self._quiet_abort(rid) for rid in list(current.values())])
-                await asyncio.gather(*pending, return_exceptions=True)
-        if len(finished) < group_size:
-            self.stats.groups_dropped += 1
-            raise GroupDropped(f"group {group_id} (env seed {prompt.seed}): only {len(finished)} of "
-                               f"{total} episodes finished, {group_size} needed")
-        for i, s in enumerate(finished):
-            s.group_id = group_id
-        return finished
+        tasks = [asyncio.create_task(self._episode(prompt, group_id, i, version, current))
+                 for i in range(group_size + self.cfg.redundancy)]
 
-    async def _quiet_abort(self, rid: str) -> None:
-        try:
-            await self.proxy.abort(rid)
-        except Exception as e:  # the request may have just finished
-            logger.debug("abort %s: %s", rid, e)
+        async def abort_in_flight(pending: list) -> None:
+            if pending:
+                await asyncio.gather(*[quiet_abort(self.proxy, rid) for rid in list(current.values())])
+        return await redundant_group(tasks, group_id=group_id, group_size=group_size, stats=self.stats,
+                                     what=f"env seed {prompt.seed}", cleanup=abort_in_flight)
 
     # ------------------------------------------------------------------ one episode
     async def _episode(self, prompt: SeedPrompt, group_id: int, index: int, version: int,

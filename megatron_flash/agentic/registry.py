@@ -32,7 +32,7 @@ import inspect
 from typing import Any, Callable, Union
 
 from megatron_flash.agentic.protocol import Env, SyncEnv, ThreadedEnv
-from megatron_flash.named import import_named
+from megatron_flash.named import add, check_name, import_named
 
 EnvFactory = Callable[..., Union[Env, SyncEnv]]
 """An Env/SyncEnv subclass, or a function returning an instance of one."""
@@ -57,8 +57,7 @@ def _load_builtins() -> None:
 
 def register_env(name: str) -> Callable[[EnvFactory], EnvFactory]:
     """Decorator registering an Env/SyncEnv subclass or factory under ``name`` (new, no ':')."""
-    if not isinstance(name, str) or not name or ":" in name:
-        raise ValueError(f"env name must be a non-empty string without ':', got {name!r}")
+    check_name(name, what="env")
     _load_builtins()  # so a user env reusing a built-in name fails here, not at first lookup
 
     def decorate(factory: EnvFactory) -> EnvFactory:
@@ -66,8 +65,7 @@ def register_env(name: str) -> Callable[[EnvFactory], EnvFactory]:
             raise ValueError(f"env {name!r}: {factory!r} is not a class or a factory function")
         if name in _ENVS:
             raise ValueError(f"env {name!r} is already registered (by {_ENVS[name]!r})")
-        _ENVS[name] = factory
-        return factory
+        return add(_ENVS, name, factory, what="env")
 
     return decorate
 

@@ -31,7 +31,7 @@ import uuid
 from typing import Any, Callable, Optional
 
 from megatron_flash.agentic.env_manager import AgenticStats
-from megatron_flash.rollout.group_runner import GroupDropped, first_successes
+from megatron_flash.rollout.group_runner import quiet_abort, redundant_group
 from megatron_flash.trace import TRACER
 from megatron_flash.types import Sample
 
@@ -114,40 +114,20 @@ class WorkflowGroupRunner:
         await self._ensure_server()
         task = {"model": self.core.model_name, "index": getattr(prompt, "index", -1), "text": getattr(prompt, "text", ""),
                 "answer": getattr(prompt, "answer", ""), "meta": dict(getattr(prompt, "meta", None) or {})}
-        total = group_size + self.cfg.redundancy
-        sessions = [f"g{group_id}-e{i}-{uuid.uuid4().hex[:6]}" for i in range(total)]
+        sessions = [f"g{group_id}-e{i}-{uuid.uuid4().hex[:6]}" for i in range(group_size + self.cfg.redundancy)]
         tasks = [asyncio.ensure_future(self._episode(s, task, group_id, version)) for s in sessions]
-        finished: list[Sample] = []
-        try:
-            finished = await first_successes(tasks, group_size, what=f"group {group_id}")
-        finally:
-            pending = [t for t in tasks if not t.done()]
-            for t in pending:
-                t.cancel()
-            if pending:
-                self.stats.cancelled_redundant += len(pending)
-            for s in sessions:  # close every session of the group: a straggler's late call gets 409
+
+        async def close_sessions(pending: list) -> None:
+            for s in sessions:  # every session of the group: a straggler's late call gets 409
                 self._close(s)
-            await asyncio.gather(*pending, return_exceptions=True)
-        if len(finished) < group_size:
-            self.stats.groups_dropped += 1
-            raise GroupDropped(f"group {group_id} (task {task['index']}): only {len(finished)} of {total} "
-                               f"episodes finished, {group_size} needed")
-        for s in finished:
-            s.group_id = group_id
-        return finished
+        return await redundant_group(tasks, group_id=group_id, group_size=group_size, stats=self.stats,
+                                     what=f"task {task['index']}", cleanup=close_sessions)
 
     def _close(self, session_id: str) -> None:
         self.core.closed_sessions.add(session_id)
         session = self.core.sessions.pop(session_id)
         if session is not None and session.current_rid is not None:
-            asyncio.ensure_future(self._quiet_abort(session.current_rid))
-
-    async def _quiet_abort(self, rid: str) -> None:
-        try:
-            await self.proxy.abort(rid)
-        except Exception as error:  # the request may have just finished
-            logger.debug("abort %s: %s", rid, error)
+            asyncio.ensure_future(quiet_abort(self.proxy, session.current_rid))
 
     # ------------------------------------------------------------------ one episode
     async def _episode(self, session_id: str, task: dict, group_id: int, version: int) -> Sample:

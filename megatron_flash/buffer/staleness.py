@@ -113,6 +113,8 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
+from megatron_flash.config.sections.async_rl import ADMISSIONS
+
 
 def staleness(version: int, version_start: int) -> int:
     """How many pushes behind the current policy a sample started."""
@@ -132,7 +134,6 @@ def capacity(*, version: int, alpha: float, batch_size: int, extra: int, consume
     return (version + 1) * batch_size + ahead + extra - consumed - outstanding
 
 
-ADMISSIONS = ("tokens", "adaptive", "eager")
 WAIT_TOLERANCE = 0.05
 """A trainer wait for rollout up to this share of the step is noise (a reply in flight, the GIL), not
 a rollout bottleneck that more lookahead would hide."""
@@ -189,6 +190,71 @@ def next_token_lookahead(lookahead: float, *, alpha: int, waits_in_a_row: int, l
     return lookahead
 
 
+class Lookahead:
+    """The admission lookahead L (batches; a fraction with `tokens`) and the rule that moves it after
+    each take ("Lookahead" and "Token lookahead" above). No lock and no clock: every event carries its
+    time, so the product (StalenessManager, under its lock, with time.monotonic()) and the planner's
+    simulation (its own clock) run this very code."""
+
+    def __init__(self, *, admission: str, alpha: int, batch_size: int, min_lookahead: float = 1.0,
+                 start: float = 0.0) -> None:
+        self.admission, self.alpha, self.batch_size, self.min_lookahead = admission, alpha, batch_size, min_lookahead
+        if admission == "eager":
+            self.value: float = alpha
+        elif admission == "tokens":
+            self.value = min(max(1.0, min_lookahead), float(alpha))
+        else:
+            self.value = lookahead_floor(alpha)
+        self.waits = 0  # takes in a row that waited for rollout (since the lookahead last rose)
+        self.last_take: float | None = None  # when the trainer's previous batch was handed out
+        self.idle_since: float | None = start  # nothing in flight since then (None: the engines have work)
+        self.idle_s = 0.0  # engine time with nothing admitted since the last take (closed stretches)
+        self.previous = (0.0, 0.0)  # (idle, period) seconds of the step before the last take
+
+    def busy(self, now: float) -> None:
+        """Something was admitted: the engines have work again."""
+        if self.idle_since is not None:
+            self.idle_s += max(0.0, now - self.idle_since)
+            self.idle_since = None
+
+    def idle(self, now: float) -> None:
+        """The last group in flight landed: the engines have nothing admitted."""
+        if self.idle_since is None:
+            self.idle_since = now
+
+    def take(self, *, waited_s: float, surplus: int, now: float, late: float = 0.0) -> float:
+        """The trainer took a batch at `now` after waiting `waited_s`, leaving `surplus` finished samples
+        buffered; `late` = its `late_share`. Moves L (the first take, with no step before it to compare
+        against, only starts the clock); returns the seconds the engines sat with nothing admitted since
+        the previous take (`admission/starved_s`)."""
+        idle = self.idle_s + (now - self.idle_since if self.idle_since is not None else 0.0)
+        self.idle_s = 0.0
+        if self.idle_since is not None:
+            self.idle_since = now
+        if self.last_take is not None:
+            period = now - self.last_take
+            did_wait = waited(waited_s, period)
+            if self.admission == "adaptive":
+                self.waits = self.waits + 1 if did_wait else 0
+                before = self.value
+                self.value = next_lookahead(int(before), alpha=self.alpha, waits_in_a_row=self.waits,
+                                            surplus=surplus, batch_size=self.batch_size)
+                if self.value > before:
+                    self.waits = 0
+            elif self.admission == "tokens":
+                self.waits = self.waits + 1 if did_wait else 0
+                # This step and the one before: idle engines show a step before the wait they cause.
+                starved = waited(idle + self.previous[0], period + self.previous[1])
+                before = self.value
+                self.value = next_token_lookahead(before, alpha=self.alpha, waits_in_a_row=self.waits, late=late,
+                                                  starved=starved, floor=self.min_lookahead)
+                if self.value > max(before, 1.0):
+                    self.waits = 0
+            self.previous = (idle, period)
+        self.last_take = now
+        return idle
+
+
 @dataclasses.dataclass
 class StalenessCounters:
     submitted: int = 0
@@ -228,25 +294,17 @@ class StalenessManager:
         self.counters = StalenessCounters()
         self._lock = threading.Lock()
         self._version = 0
-        self._lookahead = self._first_lookahead()
-        self._last_take: float | None = None  # monotonic time the trainer's previous batch was handed out
-        self._waits = 0  # takes in a row that waited for rollout (since the lookahead last rose)
+        self._rule = self._new_rule()
         self._in_flight: dict[int, int] = {}  # start version → samples admitted, not yet landed
-        self._idle_since: float | None = time.monotonic()  # nothing in flight since then (None: busy)
-        self._idle_s = 0.0  # engine time with nothing admitted since the last take (closed stretches)
-        self._previous = (0.0, 0.0)  # (idle, period) seconds of the step before the last take
         self._take = (0.0, 0.0, 0.0)  # the last take's late share, starved seconds, sit seconds
         self._drop_lengths: dict[str, list[int]] = {}
         self.observer: Optional[Callable[[str, int], None]] = None
         """Told ("admit" or "drop {reason}", samples) of every admission and drop, outside the lock (the
         run's trace shows them)."""
 
-    def _first_lookahead(self) -> float:
-        if self.admission == "eager":
-            return self.alpha
-        if self.admission == "tokens":
-            return min(max(1.0, self.min_lookahead), float(self.alpha))
-        return lookahead_floor(self.alpha)
+    def _new_rule(self) -> Lookahead:
+        return Lookahead(admission=self.admission, alpha=self.alpha, batch_size=self.batch_size,
+                         min_lookahead=self.min_lookahead, start=time.monotonic())
 
     @property
     def version(self) -> int:
@@ -260,11 +318,11 @@ class StalenessManager:
 
     @property
     def lookahead(self) -> float:
-        return self._lookahead
+        return self._rule.value
 
     def capacity(self) -> int:
         c = self.counters
-        return capacity(version=self._version, alpha=self._lookahead, batch_size=self.batch_size, extra=self.extra,
+        return capacity(version=self._version, alpha=self._rule.value, batch_size=self.batch_size, extra=self.extra,
                         consumed=c.consumed, outstanding=c.outstanding)
 
     def note_take(self, *, waited_s: float, surplus: int, now: float, late: float = 0.0, sit_s: float = 0.0) -> None:
@@ -273,32 +331,8 @@ class StalenessManager:
         adaptive and tokens admission move the lookahead (the first take, with no step before it to
         compare against, only starts the clock)."""
         with self._lock:
-            idle = self._idle_s + (now - self._idle_since if self._idle_since is not None else 0.0)
-            self._idle_s = 0.0
-            if self._idle_since is not None:
-                self._idle_since = now
-            if self._last_take is not None:
-                period = now - self._last_take
-                did_wait = waited(waited_s, period)
-                if self.admission == "adaptive":
-                    self._waits = self._waits + 1 if did_wait else 0
-                    before = self._lookahead
-                    self._lookahead = next_lookahead(before, alpha=self.alpha, waits_in_a_row=self._waits,
-                                                     surplus=surplus, batch_size=self.batch_size)
-                    if self._lookahead > before:
-                        self._waits = 0
-                elif self.admission == "tokens":
-                    self._waits = self._waits + 1 if did_wait else 0
-                    # This step and the one before: idle engines show a step before the wait they cause.
-                    starved = waited(idle + self._previous[0], period + self._previous[1])
-                    before = self._lookahead
-                    self._lookahead = next_token_lookahead(before, alpha=self.alpha, waits_in_a_row=self._waits,
-                                                           late=late, starved=starved, floor=self.min_lookahead)
-                    if self._lookahead > max(before, 1.0):
-                        self._waits = 0
-                self._previous = (idle, period)
+            idle = self._rule.take(waited_s=waited_s, surplus=surplus, now=now, late=late)
             self._take = (late, idle, sit_s)
-            self._last_take = now
 
     def try_admit(self, num_samples: int, *, now: float | None = None) -> int | None:
         """Admit `num_samples` (one group) if capacity allows; returns the start version, else None.
@@ -309,9 +343,7 @@ class StalenessManager:
             self.counters.submitted += num_samples
             self.counters.outstanding += num_samples
             self._in_flight[self._version] = self._in_flight.get(self._version, 0) + num_samples
-            if self._idle_since is not None:  # the engines have work again
-                self._idle_s += max(0.0, (now if now is not None else time.monotonic()) - self._idle_since)
-                self._idle_since = None
+            self._rule.busy(now if now is not None else time.monotonic())
             version = self._version
         if self.observer is not None:
             self.observer("admit", num_samples)
@@ -326,8 +358,8 @@ class StalenessManager:
                 self._in_flight[version_start] = left
             else:
                 self._in_flight.pop(version_start, None)
-            if not self._in_flight and self._idle_since is None:
-                self._idle_since = now if now is not None else time.monotonic()
+            if not self._in_flight:
+                self._rule.idle(now if now is not None else time.monotonic())
 
     def in_flight_through(self, version: int) -> int:
         """Samples still being generated whose start version is <= `version`."""
@@ -362,7 +394,7 @@ class StalenessManager:
         """A consistent copy of the counters (the rollout thread updates them in pairs, under the lock)."""
         with self._lock:
             late, starved_s, sit_s = self._take
-            return dataclasses.replace(self.counters, lookahead=self._lookahead, late_share=late,
+            return dataclasses.replace(self.counters, lookahead=self._rule.value, late_share=late,
                                        starved_s=starved_s, sit_s=sit_s)
 
     def take_drop_lengths(self) -> dict[str, list[int]]:
@@ -378,6 +410,4 @@ class StalenessManager:
             self._version = version
             self._in_flight = {}
             self.counters = StalenessCounters(consumed=consumed, submitted=consumed)
-            self._lookahead = self._first_lookahead()
-            self._last_take, self._waits = None, 0
-            self._idle_since, self._idle_s, self._previous = time.monotonic(), 0.0, (0.0, 0.0)
+            self._rule = self._new_rule()

@@ -30,19 +30,17 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 
+from megatron_flash.config.sections.model import LORA_TARGETS
 from megatron_flash.hf.layouts import TensorReader, hf_to_shard, shards_to_hf
 from megatron_flash.hf.name_maps import Rule
 from megatron_flash.hf.spec import CheckpointError, HFModelSpec
 
-TARGET_MODULES = {
-    "qkv": "self_attention.linear_qkv",
-    "proj": "self_attention.linear_proj",
-    "fc1": "mlp.linear_fc1",
-    "fc2": "mlp.linear_fc2",
-}
+# The targets' names are the config's (model.lora.targets); in its order, their modules:
+TARGET_MODULES = dict(zip(LORA_TARGETS, ("self_attention.linear_qkv", "self_attention.linear_proj",
+                                         "mlp.linear_fc1", "mlp.linear_fc2"), strict=True))
 """A target's Megatron module, below `decoder.layers.{layer}.`."""
-HF_TARGET_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "proj": ("o_proj",),
-                     "fc1": ("gate_proj", "up_proj"), "fc2": ("down_proj",)}
+HF_TARGET_MODULES = dict(zip(LORA_TARGETS, (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
+                                            ("down_proj",)), strict=True))
 """PEFT's / SGLang's `target_modules` for each target."""
 ADAPTER_PARAMS = ("lora_a", "lora_b")
 PEFT_PREFIX = "base_model.model."

@@ -18,11 +18,10 @@ from megatron_flash.losses.common import (
     LossInputs,
     LossTerms,
     check_number,
-    masked_frac,
     safe_ratio,
     weight_metrics,
 )
-from megatron_flash.losses.ppo import clipped_surrogate
+from megatron_flash.losses.ppo import check_clip, clipped_surrogate
 from megatron_flash.losses.registry import register_loss
 
 
@@ -42,25 +41,16 @@ def decoupled_ppo(
     Metrics: is_weight_* of w over trained tokens, clip_frac_low / clip_frac_high of r as in PPO;
     capped tokens appear in the shared ``loss_dropped_frac`` / ``dropped_frac``.
     """
-    eps_low = check_number("decoupled_ppo", "eps_low", eps_low, low=0.0, high=1.0, high_open=True)
-    eps_high = check_number("decoupled_ppo", "eps_high", eps_high, low=0.0)
+    eps_low, eps_high = check_clip("decoupled_ppo", eps_low, eps_high)
     if weight_cap is not None:
         weight_cap = check_number("decoupled_ppo", "weight_cap", weight_cap, low=0.0, low_open=True)
 
     def loss_fn(batch: LossInputs) -> LossTerms:
         weight = safe_ratio(batch.proximal_logprobs, batch.behavior_logprobs).detach()
         keep = None if weight_cap is None else weight <= weight_cap
-        surrogate, _, binds_low, binds_high = clipped_surrogate(
-            logprobs=batch.logprobs,
-            proximal_logprobs=batch.proximal_logprobs,
-            advantages=batch.advantages,
-            eps_low=eps_low,
-            eps_high=eps_high,
-        )
         trained = batch.loss_mask if keep is None else batch.loss_mask & keep
-        metrics = weight_metrics(weight, trained)
-        metrics["clip_frac_low"] = masked_frac(binds_low, trained, surrogate.dtype)
-        metrics["clip_frac_high"] = masked_frac(binds_high, trained, surrogate.dtype)
+        surrogate, _, clips = clipped_surrogate(batch, eps_low=eps_low, eps_high=eps_high, trained=trained)
+        metrics = {**weight_metrics(weight, trained), **clips}
         return LossTerms(weight * surrogate, metrics, keep)
 
     return loss_fn

@@ -26,22 +26,25 @@ from megatron_flash.losses.common import (
 from megatron_flash.losses.registry import register_loss
 
 
-def clipped_surrogate(
-    *,
-    logprobs: torch.Tensor,
-    proximal_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """−min(r·A, clip(r)·A) per token, plus r and where the low/high clip binds (bool)."""
-    ratio = safe_ratio(logprobs, proximal_logprobs)
+def check_clip(loss: str, eps_low: float, eps_high: float) -> tuple[float, float]:
+    """The clip range's parameters of `loss`, checked: 0 ≤ ε_low < 1, ε_high ≥ 0."""
+    return (check_number(loss, "eps_low", eps_low, low=0.0, high=1.0, high_open=True),
+            check_number(loss, "eps_high", eps_high, low=0.0))
+
+
+def clipped_surrogate(batch: LossInputs, *, eps_low: float, eps_high: float, trained: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """−min(r·A, clip(r)·A) per token, r = π_θ/π_prox (detached), and the fraction of `trained`
+    tokens where the low / high clip binds (clip_frac_low, clip_frac_high)."""
+    advantages = batch.advantages
+    ratio = safe_ratio(batch.logprobs, batch.proximal_logprobs)
     clipped_ratio = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
     r = ratio.detach()
     binds_low = (advantages < 0) & (r < 1.0 - eps_low)
     binds_high = (advantages > 0) & (r > 1.0 + eps_high)
-    return loss, r, binds_low, binds_high
+    return loss, r, {"clip_frac_low": masked_frac(binds_low, trained, loss.dtype),
+                     "clip_frac_high": masked_frac(binds_high, trained, loss.dtype)}
 
 
 def _describe(params: Mapping[str, object]) -> str:
@@ -58,23 +61,14 @@ def ppo(*, eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None 
     Metrics: clip_frac_low / clip_frac_high (fraction of trained tokens where the low / high clip
     binds, i.e. the gradient is cut), clip_frac_dual (only with ``dual_clip``), is_weight_* of r.
     """
-    eps_low = check_number("ppo", "eps_low", eps_low, low=0.0, high=1.0, high_open=True)
-    eps_high = check_number("ppo", "eps_high", eps_high, low=0.0)
+    eps_low, eps_high = check_clip("ppo", eps_low, eps_high)
     if dual_clip is not None:
         dual_clip = check_number("ppo", "dual_clip", dual_clip, low=1.0, low_open=True)
 
     def loss_fn(batch: LossInputs) -> LossTerms:
-        loss, ratio, binds_low, binds_high = clipped_surrogate(
-            logprobs=batch.logprobs,
-            proximal_logprobs=batch.proximal_logprobs,
-            advantages=batch.advantages,
-            eps_low=eps_low,
-            eps_high=eps_high,
-        )
         mask = batch.loss_mask
-        metrics = weight_metrics(ratio, mask)
-        metrics["clip_frac_low"] = masked_frac(binds_low, mask, loss.dtype)
-        metrics["clip_frac_high"] = masked_frac(binds_high, mask, loss.dtype)
+        loss, ratio, clips = clipped_surrogate(batch, eps_low=eps_low, eps_high=eps_high, trained=mask)
+        metrics = {**weight_metrics(ratio, mask), **clips}
         if dual_clip is not None:
             negative = batch.advantages < 0
             bound = -dual_clip * batch.advantages

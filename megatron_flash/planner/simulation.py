@@ -48,7 +48,8 @@ import heapq
 import math
 import random
 
-from megatron_flash.planner.admission import DEFAULT_ADMISSION, Admission, late_share
+from megatron_flash.buffer.staleness import late_share
+from megatron_flash.planner.admission import DEFAULT_ADMISSION, Admission
 from megatron_flash.planner.engine import Engine
 from megatron_flash.planner.lengths import mean_len
 from megatron_flash.planner.models import Costs, Workload

@@ -49,7 +49,7 @@ import threading
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Optional, Protocol
 
-from megatron_flash.named import lookup
+from megatron_flash.named import lookup, registrar
 from megatron_flash.trace import REQUEST_TAGS, TRACER
 
 logger = logging.getLogger(__name__)
@@ -63,18 +63,8 @@ class RewardFn(Protocol):
 _REWARDS: dict[str, RewardFn] = {}
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator registering a reward function under ``name`` (new, non-empty, without ':')."""
-    if not isinstance(name, str) or not name or ":" in name:
-        raise ValueError(f"reward name must be a non-empty string without ':', got {name!r}")
-
-    def decorate(fn: RewardFn) -> RewardFn:
-        if name in _REWARDS:
-            raise ValueError(f"reward {name!r} is already registered")
-        _REWARDS[name] = fn
-        return fn
-
-    return decorate
+register_reward: Callable[[str], Callable[[RewardFn], RewardFn]] = registrar(_REWARDS, what="reward")
+"""Decorator registering a reward function under ``name`` (new, non-empty, without ':')."""
 
 
 def get_reward(name: str) -> RewardFn:

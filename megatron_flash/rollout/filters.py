@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
-from megatron_flash.named import lookup
+from megatron_flash.named import lookup, registrar
 from megatron_flash.types import REWARD_LIMIT
 
 logger = logging.getLogger(__name__)
@@ -35,18 +35,8 @@ EQUAL_TOLERANCE = 1e-9
 _FILTERS: dict[str, FilterFn] = {}
 
 
-def register_filter(name: str) -> Callable[[FilterFn], FilterFn]:
-    """Decorator registering ``fn(rewards) -> keep`` under ``name`` (a new, non-empty name without ':')."""
-    if not isinstance(name, str) or not name or ":" in name:
-        raise ValueError(f"filter name must be a non-empty string without ':', got {name!r}")
-
-    def decorate(fn: FilterFn) -> FilterFn:
-        if name in _FILTERS:
-            raise ValueError(f"filter {name!r} is already registered")
-        _FILTERS[name] = fn
-        return fn
-
-    return decorate
+register_filter: Callable[[str], Callable[[FilterFn], FilterFn]] = registrar(_FILTERS, what="filter")
+"""Decorator registering ``fn(rewards) -> keep`` under ``name`` (a new, non-empty name without ':')."""
 
 
 def get_filter(name: str) -> FilterFn:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 from megatron_flash.types import Sample
 
@@ -38,6 +38,39 @@ async def first_successes(tasks: list[Any], count: int, *, what: str) -> list[An
 
 class GroupDropped(RuntimeError):
     """Fewer than group_size samples of a group could finish (e.g. env failures): drop it, don't retry."""
+
+
+async def redundant_group(tasks: list[Any], *, group_id: int, group_size: int, stats: Any, what: str,
+                          cleanup: Callable[[list[Any]], Awaitable[None]]) -> list[Sample]:
+    """A group from group_size + redundancy episode `tasks`: the first group_size to finish, stamped with
+    `group_id`. The rest are cancelled (counted in `stats.cancelled_redundant`) after `cleanup(pending)`
+    has run (abort their requests, close their sessions); fewer than group_size finished →
+    `stats.groups_dropped` + 1 and GroupDropped naming `what` (the group's env seed or task)."""
+    finished: list[Sample] = []
+    try:
+        finished = await first_successes(tasks, group_size, what=f"group {group_id}")
+    finally:
+        pending = [t for t in tasks if not t.done()]
+        for t in pending:
+            t.cancel()
+        stats.cancelled_redundant += len(pending)
+        await cleanup(pending)
+        await asyncio.gather(*pending, return_exceptions=True)
+    if len(finished) < group_size:
+        stats.groups_dropped += 1
+        raise GroupDropped(f"group {group_id} ({what}): only {len(finished)} of {len(tasks)} episodes finished, "
+                           f"{group_size} needed")
+    for s in finished:
+        s.group_id = group_id
+    return finished
+
+
+async def quiet_abort(proxy: Any, rid: str) -> None:
+    """Abort request `rid` through the proxy; one that just finished is no error."""
+    try:
+        await proxy.abort(rid)
+    except Exception as error:
+        logger.debug("abort %s: %s", rid, error)
 
 
 class GroupRunner(Protocol):

@@ -38,6 +38,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_flash.trainer.lora import adapter_checkpoint_keys
+from megatron_flash.trainer.patches import optimizer_load
+from megatron_flash.trainer.patches.async_save import save_dist_checkpoint
+from megatron_flash.trainer.patches.optimizer_load import adam_optimizers
 
 logger = logging.getLogger(__name__)
 
@@ -83,72 +86,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-_FORK_HOOK = False
-
-
-def _forked_children_die_with_parent() -> None:
-    """Megatron writes checkpoints from processes it forks off the trainer; a trainer killed with -9
-    mid-save left them orphaned for ever (found by the resume test). Every child forked from here on
-    asks Linux for SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG); a no-op without prctl."""
-    global _FORK_HOOK
-    if _FORK_HOOK:
-        return
-    _FORK_HOOK = True
-
-    def in_child() -> None:
-        try:
-            import ctypes
-            import signal
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            return
-        if os.getppid() == 1:  # the parent died before the signal was armed
-            os._exit(1)
-
-    os.register_at_fork(after_in_child=in_child)
-
-
-def async_strategy_kwargs() -> dict[str, str]:
-    """megatron-core 0.19 asks which async writer to use and defaults to NVIDIA Resiliency Extension's
-    ("nvrx", a separate package it does not install); its own ("mcore", which 0.16 always uses, and
-    whose request this module runs itself) is what every version has. 0.16 takes no such argument."""
-    import inspect
-
-    from megatron.core import dist_checkpointing
-
-    return {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters \
-        else {}
-
-
-def save_dist_checkpoint(sharded_state_dict: dict, path: str) -> None:
-    """`dist_checkpointing.save` in torch_dist format, without its CUDA-only staging step.
-
-    Megatron's synchronous save stages tensors to host memory and then calls
-    `torch.cuda.synchronize()`, which raises on a CPU-only torch; we ask for the async request
-    instead and run it ourselves, without that staging when there is no GPU (a no-op for host
-    tensors anyway). Needs psutil (Megatron's writer processes die without it)."""
-    import queue
-
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    # Megatron collects write results through a queue it makes with a multiprocessing *Manager* (a
-    # server process) on first use; a trainer killed with -9 leaves that process orphaned for ever.
-    # execute_sync() runs the write function in this process (its forked writers report through
-    # their own queues), so the result goes in and comes out here: a thread queue serves, with no
-    # extra process. (A multiprocessing.Queue does not: its put() hands the item to a feeder thread,
-    # and Megatron's get_nowait() right after can find it empty — a flaky "results_queue should not
-    # be empty" that a resume test hit once.)
-    _forked_children_die_with_parent()
-    if not isinstance(getattr(filesystem_async, "_results_queue", None), queue.Queue):
-        filesystem_async._results_queue = queue.Queue()
-    request = dist_checkpointing.save(sharded_state_dict, path, async_sharded_save=True, **async_strategy_kwargs())
-    if not torch.cuda.is_available():
-        request = request._replace(preload_fn=None)
-    request.execute_sync()
-
-
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -157,7 +94,7 @@ def _init_empty_adam_state(policy: Any) -> None:
     Megatron's distributed optimizer reads the current state to build the sharded state dict it
     loads into, and torch Adam creates it only at the first step (Megatron relies on TE/Apex Adam,
     which keep `step` in param_groups, for this; they are absent on CPU)."""
-    for _, inner in _adam_optimizers(policy):
+    for _, inner in adam_optimizers(policy.optimizer):
         for group in inner.param_groups:
             for p in group["params"]:
                 if not inner.state[p]:
@@ -165,46 +102,12 @@ def _init_empty_adam_state(policy: Any) -> None:
                                       "exp_avg_sq": torch.zeros_like(p.data)}
 
 
-def _adam_optimizers(policy: Any) -> list[Any]:
-    out = []
-    for opt in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            out.append((opt, inner))
-    return out
-
-
-def _skip_step_on_reshardable_load(policy: Any) -> None:
-    """Work around megatron-core 0.16 with torch Adam (no TE/Apex: CPU, or GPUs without TE): the
-    distributed optimizer's fully-reshardable load leaves each parameter's `step` out of the tensors
-    it read (it restores `step` separately) but then copies *every* key of the live state — `step`
-    included — from them (KeyError 'step'). Per parameter, hide `step` during that copy."""
-    for opt, inner in _adam_optimizers(policy):
-        if type(opt).__name__ != "DistributedOptimizer" or getattr(opt, "_mf_step_patch", False):
-            continue
-        original = opt._set_main_param_and_optimizer_states
-
-        def copy_without_step(model_param: Any, tensors: dict, _opt: Any = opt, _inner: Any = inner,
-                              _original: Any = original) -> None:
-            group_index, group_order = _opt.model_param_group_index_map[model_param]
-            state = _inner.state[_inner.param_groups[group_index]["params"][group_order]]
-            step = state.pop("step", None) if "step" not in tensors else None
-            try:
-                _original(model_param, tensors)
-            finally:
-                if step is not None:
-                    state["step"] = step
-
-        opt._set_main_param_and_optimizer_states = copy_without_step
-        opt._mf_step_patch = True
-
-
 def _unshare_adam_steps(policy: Any) -> None:
     """megatron-core 0.16's distributed optimizer, without TE/Apex, restores torch Adam's `step` as ONE
     tensor shared by every parameter's state; torch Adam increments it in place per parameter, so the
     next step's bias correction would count every parameter (measured: weights off by 1e-3 after one
     step). Give each parameter its own copy."""
-    for _, inner in _adam_optimizers(policy):
+    for _, inner in adam_optimizers(policy.optimizer):
         for state in inner.state.values():
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
@@ -338,7 +241,7 @@ def load(policy: Any, path: str) -> tuple[dict[str, Any], Optional[dict[str, Any
         from megatron.core import dist_checkpointing
 
         sharded = _sharded_state(policy, is_loading=True)
-        _skip_step_on_reshardable_load(policy)
+        optimizer_load.skip_step_on_reshardable_load(policy.optimizer)
         loaded = dist_checkpointing.load(sharded, os.path.join(path, "trainer"))
         for key, chunk in _model_chunks(policy):
             if _lora(policy) is None:

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from megatron_flash.hf.layouts import Layout
 from megatron_flash.ports import free_ports
-from megatron_flash.trainer import cpu_shim, megatron_compat
+from megatron_flash.trainer import megatron_compat
+from megatron_flash.trainer.patches import cpu as cpu_patch
 
 
 def init_distributed(*, tp_size: int, pp_size: int, seed: int, backend: str = "auto",
@@ -36,7 +37,7 @@ def init_distributed(*, tp_size: int, pp_size: int, seed: int, backend: str = "a
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
-    cpu_shim.apply()
+    cpu_patch.apply()
     world = dist.get_world_size()
     if world % (tp_size * pp_size * cp_size) != 0:
         raise ValueError(

@@ -25,6 +25,8 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_flash.trainer import shared_prefix
+
 _CLASS: Optional[type] = None
 
 
@@ -88,7 +90,7 @@ def flash_dot_product_attention() -> type:
                         params: Any) -> torch.Tensor:
                 # THD: query [T, heads, dim], key/value [T, groups, dim] → output [T, 1, heads·dim]
                 varlen_attn, causal, has_gqa = _varlen_kwargs()
-                shared = getattr(params, "mf_flash_plan", None)
+                _, shared = shared_prefix.plans(params)
                 if shared is not None:  # shared prefixes: each response's keys are [its prompt's; its own]
                     key, value = key[shared["k_index"]], value[shared["k_index"]]
                     cu, cu_k = shared["cu_q"], shared["cu_k"]

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from typing import Any, Iterator, Optional
 
 import torch
 
+from megatron_flash.config.sections.model import LORA_TARGETS
 from megatron_flash.hf.adapters import (
     ADAPTER_PARAMS,
     TARGET_MODULES,
@@ -46,8 +46,9 @@ from megatron_flash.hf.io import layer_offset
 from megatron_flash.hf.layouts import Layout
 from megatron_flash.hf.name_maps import name_map_for
 from megatron_flash.hf.spec import CheckpointError, HFModelSpec
+from megatron_flash.trainer.patches import lora_linear
 
-TARGETS = tuple(TARGET_MODULES)
+TARGETS = LORA_TARGETS
 DENSE_ONLY = ("fc1", "fc2")  # a MoE layer's MLP is its experts: no adapters there yet
 
 
@@ -94,73 +95,6 @@ def check_lora(spec: HFModelSpec, options: LoraOptions, *, uses_te: bool) -> Non
                          "would adapt the experts, which is not built; use model.lora.targets=[qkv,proj]")
 
 
-@functools.lru_cache(maxsize=None)
-def _adapter_class(base: type, column: bool) -> type:
-    """`base` (ColumnParallelLinear, RowParallelLinear) with a LoRA term; one class per base and kind."""
-    from megatron.core import tensor_parallel
-    from megatron.core.tensor_parallel import mappings
-    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
-    axes = {"weight": 0, "bias": 0, "lora_b": 0} if column else {"weight": 1, "lora_a": 1}
-
-    class Adapted(base):  # type: ignore[misc, valid-type]
-        """`base` with a LoRA term; see the module docstring."""
-
-        def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            output, bias = base.forward(self, input_, *args, **kwargs)
-            if self.lora_active:
-                output = output + self.lora_delta(input_)
-            return output, bias
-
-        def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
-            if self.lora_dropout and self.training and torch.is_grad_enabled():
-                if column and not self.sequence_parallel:  # x is the same on every TP rank: so must its mask be
-                    x = torch.nn.functional.dropout(x, p=self.lora_dropout)
-                else:  # each rank holds its own part of x: masks of its own (Megatron's TP-rank streams)
-                    with tensor_parallel.get_cuda_rng_tracker().fork():
-                        x = torch.nn.functional.dropout(x, p=self.lora_dropout)
-            h = torch.nn.functional.linear(x, self.lora_a)
-            group = self.tp_group
-            if column:  # h must be whole on every rank before B's rows; its gradient summed over TP
-                h = (mappings.gather_from_sequence_parallel_region(h, group=group) if self.sequence_parallel
-                     else mappings.copy_to_tensor_model_parallel_region(h, group=group))
-            else:  # partial sums over the input's TP split
-                h = (mappings.reduce_scatter_to_sequence_parallel_region(h, group=group) if self.sequence_parallel
-                     else mappings.reduce_from_tensor_model_parallel_region(h, group=group))
-            return torch.nn.functional.linear(h, self.lora_b) * self.lora_scaling
-
-        def lora_merged_weight(self) -> torch.Tensor:
-            """This rank's shard of W + s·B·A, formed in float32 and cast once to W's dtype (a
-            bfloat16 merge loses the small update against W's rounding)."""
-            delta = self.lora_b.detach().float() @ self.lora_a.detach().float()
-            return (self.weight.detach().float() + self.lora_scaling * delta).to(self.weight.dtype)
-
-        def sharded_state_dict(self, prefix: str = "", sharded_offsets: Any = (), metadata: Any = None) -> Any:
-            state_dict = self.state_dict(prefix="", keep_vars=True)
-            out = make_sharded_tensors_for_checkpoint(state_dict, prefix, axes, sharded_offsets, tp_group=self.tp_group,
-                                                      dp_cp_group=metadata["dp_cp_group"])
-            if self.lora_gate_up:  # B's rows are [gate_r; up_r] per rank, like W's: the MLP's factory for W
-                out[f"{prefix}lora_b"] = _swiglu_factory(out[f"{prefix}lora_b"], sharded_offsets, metadata,
-                                                         self.tp_group)
-            return out
-
-    Adapted.__name__ = Adapted.__qualname__ = f"LoRA{base.__name__}"
-    return Adapted
-
-
-def _swiglu_factory(sharded: Any, sharded_offsets: Any, metadata: Any, tp_group: Any) -> Any:
-    """Megatron's checkpoint factory for a SwiGLU fc1 tensor (each TP shard is two slices of the full
-    [gate; up]); its keyword arguments differ between megatron-core versions."""
-    import inspect
-
-    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-
-    params = inspect.signature(apply_swiglu_sharded_factory).parameters
-    kwargs = {k: v for k, v in (("tp_group", tp_group), ("dp_group", metadata["dp_cp_group"])) if k in params}
-    return apply_swiglu_sharded_factory(sharded, sharded_offsets, (metadata or {}).get("singleton_local_shards", False),
-                                        **kwargs)
-
-
 def _sites(chunks: list[Any], targets: tuple[str, ...]) -> Iterator[tuple[int, str, Any]]:
     """(chunk layer offset, chunk-local name of the adapted module, module) for every target linear."""
     for chunk in chunks:
@@ -198,7 +132,7 @@ def apply_lora(chunks: list[Any], options: LoraOptions, *, spec: HFModelSpec, la
                                                 seed=options.seed, b_std=options.b_std))
         reader = _Reader(source, f"model.lora.adapter_path={options.adapter_path!r}")
         readers.append(reader)
-        linear.__class__ = _adapter_class(type(linear), column)
+        lora_linear.adapt(linear, column=column)
         weight = linear.weight
         for which in ADAPTER_PARAMS:
             shard = adapter_to_shard(which, rule, hf_weights, reader, spec=spec, tp_rank=tp_rank, tp_size=tp_size)

@@ -154,8 +154,8 @@ def _packed(batch: TrainBatch, lengths: list[int], opts: BatchingOptions, *, dp_
                   sample_ids=torch.full((1,), -1) if mb.filler else rows, index=index, valid=valid, real=real,
                   routable=torch.arange(mb.row_len)[None, :] < mb.num_tokens)
         m.packed_seq_params = packed_seq_params(mb.segment_lengths(), device)
-        if layout is not None:
-            shared_prefix.attach(m.packed_seq_params, layout, device)
+        if layout is not None:  # its attention plans, typed (its RoPE positions are m.positions)
+            m.packed_seq_params = shared_prefix.with_plans(m.packed_seq_params, layout, device)
             if layout.extra_src.numel():
                 m.extra_src, m.extra_rows, m.extra_cols = (t.to(device) for t in
                                                            (layout.extra_src, layout.extra_rows, layout.extra_cols))

@@ -284,17 +284,13 @@ def build_gpt_stage(spec: HFModelSpec, *, config: Any, make_vocab_size_divisible
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
-    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron_flash.trainer.patches import moe_gemm, packed_rope
+    from megatron_flash.trainer.patches.explicit_positions import positional_gpt_model
 
-    from megatron_flash.trainer import rope
-
-    rope.install()  # packed rows' RoPE without a host sync per sample (rope.py)
+    packed_rope.install()  # packed rows' RoPE without a host sync per sample
     experts = spec.moe.num_experts if spec.moe is not None else None
     if experts:
-        from megatron.core.transformer.moe import moe_utils
-
-        if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 leaves it undefined without TE
-            moe_utils.te_general_gemm = None
+        moe_gemm.apply()  # megatron-core 0.16 leaves moe_utils.te_general_gemm undefined without TE
     if transformer_engine:  # resolved by resolve_te
         layer_spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=spec.qk_norm)
     else:
@@ -311,7 +307,7 @@ def build_gpt_stage(spec: HFModelSpec, *, config: Any, make_vocab_size_divisible
             core = packed_dot_product_attention()
         layer_spec.submodules.self_attention.submodules.core_attention = core
         layer_spec = local_block_spec(layer_spec, config, vp_stage=vp_stage)  # norms that allow sequence parallel
-    model = GPTModel(
+    model = positional_gpt_model()(  # GPTModel; packed rows' RoPE positions from position_ids
         config=config,
         transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(spec.vocab_size, divisible_by=make_vocab_size_divisible_by,

@@ -12,8 +12,8 @@ GQA-expanded) on each sample, batching samples of equal length into one call. At
 costs Σ l² for samples of lengths l, as with TE, not T² for the row: a block-diagonal mask over the
 whole row would spend most of its time on masked-out pairs when many short samples share a row.
 
-Shared prefixes (trainer/shared_prefix.py) bring a plan of their own (`mf_local_plan`, built on the
-host with the micro-batch): per shape, the rows' query and key positions of the sequences batched
+Shared prefixes (trainer/shared_prefix.py) bring a plan of their own (`SharedPrefixParams.local_plan`,
+built on the host with the micro-batch): per shape, the rows' query and key positions of the sequences batched
 together, and for a response the bottom-right causal mask over [its prompt's keys; its own] (query
 i sees the prompt and its own first i + 1 tokens): Megatron's DotProductAttention with that mask
 computes, for each response token, the very scores and softmax of the unshared sample's row.
@@ -25,6 +25,8 @@ from collections import defaultdict
 from typing import Any, Optional
 
 import torch
+
+from megatron_flash.trainer import shared_prefix
 
 _CLASS: Optional[type] = None
 
@@ -42,7 +44,7 @@ def packed_dot_product_attention() -> type:
                 if packed_seq_params is None:
                     return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                            attention_bias=attention_bias)
-                plan = getattr(packed_seq_params, "mf_local_plan", None)
+                plan, _ = shared_prefix.plans(packed_seq_params)
                 if plan is not None:
                     out = query.new_empty(query.shape[0], 1, query.shape[1] * query.shape[2])
                     for q_index, k_index, mask in plan:

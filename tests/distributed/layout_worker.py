@@ -11,6 +11,7 @@ are bit for bit those of a launch of its own.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -131,6 +132,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-dropout", type=float, default=0.0, help="model.lora.dropout")
     p.add_argument("--record-dropout", action="store_true",
                    help="save every dropout mask (p > 0) of the training steps to dropout_rank<r>.pt, in call order")
+    p.add_argument("--recast-cu-seqlens", action="store_true",
+                   help="every packed row's cu_seqlens replaced by a cast copy (int64 and back), as Megatron may")
     p.add_argument("--reimport-unused", action="store_true",
                    help="also load export0/adapter plus one tensor no module takes; the error to unused.txt")
     p.add_argument("--grouped", action="store_true", help="the grouped batch (prompts shared within groups)")
@@ -185,7 +188,33 @@ def reimport_with_an_unused_tensor(args: argparse.Namespace, adapter_dir: str) -
         f.write(message)
 
 
+@contextlib.contextmanager
+def recast_cu_seqlens(on: bool):
+    """Rows whose cu_seqlens are copies of what the micro-batch built: whatever rode on the original
+    tensor would be lost; what the trainer passes explicitly is not."""
+    from megatron_flash.trainer import micro_batches
+
+    made = micro_batches.packed_seq_params
+
+    def recast(segments, device):
+        params = made(segments, device)
+        params.cu_seqlens_q = params.cu_seqlens_q.to(torch.int64).to(params.cu_seqlens_q.dtype)
+        params.cu_seqlens_kv = params.cu_seqlens_q.clone()
+        return params
+    if on:
+        micro_batches.packed_seq_params = recast
+    try:
+        yield
+    finally:
+        micro_batches.packed_seq_params = made
+
+
 def run_case(args: argparse.Namespace) -> None:
+    with recast_cu_seqlens(args.recast_cu_seqlens):
+        _run_case(args)
+
+
+def _run_case(args: argparse.Namespace) -> None:
     policy = build(args)
     batch = (grouped_batch if args.grouped else fixed_batch)(policy.spec.vocab_size)
     logprobs, _ = policy.compute_logprobs(batch)

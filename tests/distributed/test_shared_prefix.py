@@ -17,6 +17,9 @@ checkpoint, and takes TWO optimizer steps on the batch (a peer matched at step 1
   <loss>          1    TP1            every registered loss           ≤ 24 tokens
   <aggregation>   1    TP1            tis with every aggregation      ≤ 24 tokens
   topk            1    TP1            tis + distillation's top-4 KL   ≤ 24 tokens (extras carry K ids)
+  recast          1    TP1            fixed weighted NLL              ≤ 24 tokens, every row's cu_seqlens a
+                                                                      cast copy: RoPE positions and plans
+                                                                      are passed explicitly, not on it
 
 Compared: logprobs before the step (1e-6), both steps' losses (1e-6), the weights after the two steps
 (SGD lr 1, no clipping: the sum of both steps' gradients), ≤ 1e-6; and the shared run computes fewer
@@ -48,6 +51,7 @@ CASES = {
     # near-zero gradient moves a weight by up to 2·lr, and weights stop telling gradients apart
     "dp2": ("two", 2, BUDGET + ["--loss", "decoupled_ppo"]),
     "topk": ("two", 1, BUDGET + ["--loss", "tis", "--distill-topk", "4", "--distill-coef", "0.5"]),
+    "recast": ("two", 1, BUDGET + ["--recast-cu-seqlens"]),
 }
 for _loss in LOSSES:
     CASES[f"loss_{_loss}"] = ("two", 1, BUDGET + ["--loss", _loss])

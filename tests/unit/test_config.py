@@ -90,10 +90,14 @@ def test_defaults_validate_and_match_contract() -> None:
         assert _get(cfg, key) == default, key
 
 
+SCHEMA_FILES = [Path(schema.__file__), *sorted((Path(schema.__file__).parent / "sections").glob("*.py"))]
+
+
 def test_every_field_has_a_docstring() -> None:
-    tree = ast.parse(Path(schema.__file__).read_text(encoding="utf-8"))
-    missing = []
-    for cls in (node for node in tree.body if isinstance(node, ast.ClassDef)):
+    missing, classes = [], 0
+    for cls in (node for path in SCHEMA_FILES for node in ast.parse(path.read_text(encoding="utf-8")).body
+                if isinstance(node, ast.ClassDef)):
+        classes += 1
         body = cls.body
         for i, stmt in enumerate(body):
             if not isinstance(stmt, ast.AnnAssign) or "ClassVar" in ast.unparse(stmt.annotation):
@@ -104,6 +108,17 @@ def test_every_field_has_a_docstring() -> None:
             if not documented:
                 missing.append(f"{cls.name}.{ast.unparse(stmt.target)}")
     assert not missing, f"fields without a docstring: {missing}"
+    assert classes >= 18  # RunConfig, ModeTraits, _Section and a dataclass per section were all read
+
+
+def test_the_schema_is_a_module_per_section() -> None:
+    """One module per section, each small; every RunConfig section's class lives in its own module."""
+    sections = Path(schema.__file__).parent / "sections"
+    for f in dataclasses.fields(RunConfig):
+        cls = type(getattr(RunConfig(), f.name))
+        assert cls.__module__ == f"megatron_flash.config.sections.{f.name}", (f.name, cls.__module__)
+    for path in SCHEMA_FILES:
+        assert len(path.read_text(encoding="utf-8").splitlines()) <= 400, path
 
 
 # --------------------------------------------------------------------------- loading
@@ -434,11 +449,14 @@ def test_eval_section_refuses_what_it_cannot_use() -> None:
         QUICKSTART, ["eval.datasets={held: {task: sort4}}", "trainer.mode=rollout_only"])
 
 
-def test_admission_names_match_the_staleness_module() -> None:
+def test_admission_names_are_defined_once() -> None:
+    """The rules' names live in the config; the staleness module that implements them and the planner
+    use that very tuple."""
     from megatron_flash.buffer.staleness import ADMISSIONS as RULES
     from megatron_flash.config.schema import ADMISSIONS
+    from megatron_flash.planner import ADMISSIONS as PLANNED
 
-    assert ADMISSIONS == RULES
+    assert ADMISSIONS is RULES is PLANNED == ("tokens", "adaptive", "eager")
 
 
 def test_override_with_a_mapping_replaces_a_free_form_mapping() -> None:

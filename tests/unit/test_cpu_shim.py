@@ -22,7 +22,7 @@ def test_inert_when_cuda_is_available() -> None:
         import torch
         before = (torch.cuda.current_device, torch.Tensor.type, torch.Tensor.cuda)
         with mock.patch("torch.cuda.is_available", return_value=True):
-            from megatron_flash.trainer import cpu_shim
+            from megatron_flash.trainer.patches import cpu as cpu_shim
             applied = cpu_shim.apply()
         import megatron.core.pipeline_parallel.schedules as sched
         from megatron.core.tensor_parallel import random as r
@@ -35,7 +35,7 @@ def test_inert_when_cuda_is_available() -> None:
 def test_applied_without_cuda_redirects_megatron_only() -> None:
     out = run("""
         import torch
-        from megatron_flash.trainer import cpu_shim
+        from megatron_flash.trainer.patches import cpu as cpu_shim
         applied = cpu_shim.apply()
         import megatron.core.pipeline_parallel.schedules as sched
         t = sched.torch.zeros([], dtype=torch.int, device="cuda")   # megatron's own call pattern

@@ -24,10 +24,13 @@ SPEC = HFModelSpec(family="llama", architecture="LlamaForCausalLM", vocab_size=1
 BASE = ["model.hf_path=/unused"]
 
 
-def test_targets_agree_with_the_trainer() -> None:
+def test_targets_are_defined_once() -> None:
+    """The config names the targets; the trainer takes that tuple, the HF maps are keyed by it."""
     from megatron_flash.trainer.lora import TARGETS
 
-    assert LORA_TARGETS == TARGETS == tuple(adapters.TARGET_MODULES)
+    assert TARGETS is LORA_TARGETS == ("qkv", "proj", "fc1", "fc2")
+    assert tuple(adapters.TARGET_MODULES) == tuple(adapters.HF_TARGET_MODULES) == LORA_TARGETS
+    assert adapters.TARGET_MODULES["fc1"] == "mlp.linear_fc1" and adapters.HF_TARGET_MODULES["proj"] == ("o_proj",)
 
 
 @pytest.mark.parametrize("overrides,message", [

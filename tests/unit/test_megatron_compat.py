@@ -1,4 +1,4 @@
-"""trainer/megatron_compat.py and trainer/rope.py's signature checks: a megatron-core whose internals
+"""trainer/megatron_compat.py and trainer/patches/packed_rope.py's signature checks: a megatron-core whose internals
 differ from what the trainer replaces is refused at start-up with one line naming the version and
 the target; the packed RoPE passes the MLA flag under the name each version takes."""
 
@@ -27,7 +27,8 @@ def test_the_installed_megatron_passes_every_check() -> None:
 def test_an_unknown_rope_argument_is_refused_naming_version_and_argument(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron.core.models.common.embeddings import rope_utils
 
-    from megatron_flash.trainer import megatron_compat, rope
+    from megatron_flash.trainer import megatron_compat
+    from megatron_flash.trainer.patches import packed_rope as rope
 
     def bshd(t, freqs, rotary_interleaved=False, mla_rotary_interleaved=False, mscale=1.0, yarn_factor=1.0):
         return t
@@ -64,7 +65,7 @@ def test_missing_rng_internals_are_refused_on_cpu_only(monkeypatch: pytest.Monke
 
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_the_mla_flag_reaches_megatrons_rotation_under_this_versions_name(interleaved: bool) -> None:
-    from megatron_flash.trainer import rope
+    from megatron_flash.trainer.patches import packed_rope as rope
 
     original = rope.original()
     mla_name = next(n for n in ("mla_rotary_interleaved", "multi_latent_attention")

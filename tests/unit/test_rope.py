@@ -1,4 +1,4 @@
-"""trainer/rope.py against Megatron-Core's own THD RoPE on CPU (fp32): packed rows of several samples,
+"""trainer/patches/packed_rope.py against Megatron-Core's own THD RoPE on CPU (fp32): packed rows of several samples,
 frequencies for the longest sample (positions restart per sample) and one row per token (exact
 mapping), plain and interleaved rotation, and a tail of padding as its own segment."""
 
@@ -19,7 +19,7 @@ class _Group:  # what Megatron reads of a context-parallel group: size 1, rank 0
 @pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_packed_rope_equals_megatrons(per_token: bool, interleaved: bool) -> None:
-    from megatron_flash.trainer import rope
+    from megatron_flash.trainer.patches import packed_rope as rope
 
     g = torch.Generator().manual_seed(0)
     lengths = [3, 7, 1, 5, 4]  # the last one stands for a padding tail
@@ -39,7 +39,7 @@ def test_packed_rope_equals_megatrons(per_token: bool, interleaved: bool) -> Non
 def test_install_routes_megatron_through_it() -> None:
     from megatron.core.models.common.embeddings import rope_utils
 
-    from megatron_flash.trainer import rope
+    from megatron_flash.trainer.patches import packed_rope as rope
 
     rope.install()
     rope.install()

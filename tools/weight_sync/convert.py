@@ -106,7 +106,7 @@ def build_stage(hf_dir: str, *, tp: int, pp: int, dtype: str, divisible_by: int,
 
 def save_dist_checkpoint(sharded_state_dict: dict, path: str) -> None:
     """Megatron torch_dist save that also works on a CPU-only torch (megatron_flash.trainer.checkpoint)."""
-    from megatron_flash.trainer.checkpoint import save_dist_checkpoint as save
+    from megatron_flash.trainer.patches.async_save import save_dist_checkpoint as save
 
     save(sharded_state_dict, path)
 

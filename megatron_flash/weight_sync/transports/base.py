@@ -63,22 +63,16 @@ class Transport(Protocol):
     def forget(self, urls: Sequence[str]) -> None: ...
 
 
-class StreamingTransport:
-    """Defaults for transports that stream buckets."""
+class TransportDefaults:
+    """Defaults every transport starts from: no per-engine state to forget, nothing left in flight to
+    drain, nothing held to close."""
 
-    streams_buckets: ClassVar[bool] = True
     serial_stages: ClassVar[bool] = False
     one_sender_per_stage: ClassVar[bool] = False
     copies_buckets: ClassVar[bool] = False
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
-
-    def prepare(self, version: int) -> None:
-        pass
-
-    def load(self, version: int, urls: list[str]) -> Errors:
-        raise NotImplementedError(f"transport {self.name!r} streams buckets; it has no whole-state load")
 
     def forget(self, urls: Sequence[str]) -> None:
         pass
@@ -88,3 +82,15 @@ class StreamingTransport:
 
     def close(self) -> None:
         pass
+
+
+class StreamingTransport(TransportDefaults):
+    """Defaults for transports that stream buckets."""
+
+    streams_buckets: ClassVar[bool] = True
+
+    def prepare(self, version: int) -> None:
+        pass
+
+    def load(self, version: int, urls: list[str]) -> Errors:
+        raise NotImplementedError(f"transport {self.name!r} streams buckets; it has no whole-state load")

@@ -3,24 +3,21 @@ one POST /update_weights_from_disk per engine loads it and carries the version i
 
 from __future__ import annotations
 
-from typing import ClassVar, Sequence
+from typing import ClassVar
 
 from megatron_flash.weight_sync.calls import Errors
 from megatron_flash.weight_sync.plan import Bucket
-from megatron_flash.weight_sync.transports.base import TransportContext
+from megatron_flash.weight_sync.transports.base import TransportContext, TransportDefaults
 
 
-class DiskTransport:
+class DiskTransport(TransportDefaults):
     name: ClassVar[str] = "disk"
     streams_buckets: ClassVar[bool] = False
-    serial_stages: ClassVar[bool] = False
-    one_sender_per_stage: ClassVar[bool] = False
-    copies_buckets: ClassVar[bool] = False
 
     def __init__(self, ctx: TransportContext) -> None:
         if not ctx.disk_dir:
             raise ValueError("weight_sync transport 'disk' needs a shared directory (disk_dir)")
-        self.ctx = ctx
+        super().__init__(ctx)
 
     def prepare(self, version: int) -> None:
         self.ctx.export_hf(self.ctx.disk_dir)
@@ -31,12 +28,3 @@ class DiskTransport:
     def load(self, version: int, urls: list[str]) -> Errors:
         return self.ctx.calls.fan("update_weights_from_disk", urls, lambda c: c.update_weights_from_disk(
             self.ctx.disk_dir, weight_version=str(version), flush_cache=False))[1]
-
-    def forget(self, urls: Sequence[str]) -> None:
-        pass
-
-    def drain(self) -> Errors:
-        return {}
-
-    def close(self) -> None:
-        pass

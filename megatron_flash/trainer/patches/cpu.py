@@ -1,4 +1,13 @@
-"""Make megatron-core (0.16.1 … 0.19.x) run on a CPU-only torch (gloo), and do nothing when CUDA exists.
+"""Patch: megatron-core (0.16.1 … 0.19.x) on a CPU-only torch (gloo); nothing when CUDA exists.
+
+  replaces   torch.cuda.current_device; the `torch` name of the Megatron modules in
+             _REDIRECT_MODULES (a proxy whose factories map a CUDA device to the CPU);
+             tensor_parallel.random's CudaRNGStatesTracker, _get/_set_cuda_rng_state;
+             torch.Tensor.type and .cuda (their answers change for callers inside megatron.core only)
+  why        the table below: each call would raise on a CPU-only build
+  versions   megatron-core 0.16.1 and 0.19.2 (tested), CPU only (`apply()` returns at once with CUDA)
+  checked    `check()` at start-up on CPU: tensor_parallel.random has what is replaced, and
+             initialize_rng_tracker takes force_reset
 
 Megatron-Core assumes CUDA in a handful of places that our CPU path reaches. Each patch below turns
 a call that would *raise* on a CPU-only build into the CPU equivalent, so code that already works is
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import sys
 import types
 from typing import Any, Iterator
@@ -221,3 +231,17 @@ def apply() -> bool:
     torch.Tensor.cuda = cuda_  # type: ignore[method-assign]
     _APPLIED = True
     return True
+
+
+def check() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from megatron_flash.trainer.patches.base import PatchMismatch
+
+    missing = [name for name in ("CudaRNGStatesTracker", "initialize_rng_tracker", "_get_cuda_rng_state",
+                                 "_set_cuda_rng_state") if not hasattr(mrandom, name)]
+    if missing:
+        raise PatchMismatch("tensor_parallel.random", f"has no {missing}; trainer/patches/cpu.py replaces them on CPU")
+    if "force_reset" not in inspect.signature(mrandom.initialize_rng_tracker).parameters:
+        raise PatchMismatch("tensor_parallel.random.initialize_rng_tracker",
+                            "takes no force_reset (patches/cpu.py passes it)")

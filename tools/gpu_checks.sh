@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The checks to run on a GPU machine, prepared so that one short run does them. The machine they were
-# written for has torch with CUDA but none of our other dependencies and no network: they come as py3.12
+# The GPU checks: the fast paths and measurements that need CUDA, prepared so that one short run does
+# them. The machine they were written for has torch with CUDA but none of our other dependencies and no
+# network: they come as py3.12
 # wheels in .whl/ (ignored by git; copy it to the machine with the working tree).
 #
-#   bash tools/gpu_session.sh download            # on a machine with network, once: the wheels into .whl/ (about 30 MB)
+#   bash tools/gpu_checks.sh download            # on a machine with network, once: the wheels into .whl/ (about 30 MB)
 #   on the GPU machine, with .whl/ and runs/bench_models copied there, under a time limit ≈ GPU_DEADLINE + 40 s:
-#     GPU_DEADLINE=440 bash tools/gpu_session.sh run weights steps rollout async -- weights_test quickstart contract
+#     GPU_DEADLINE=440 bash tools/gpu_checks.sh run weights steps rollout async -- weights_test quickstart contract
 # The stages before `--` run one after another (the timing ones); those after it run beside them (the
 # correctness ones: they share the GPU and the cores with the timings, which the numbers must say).
 # Every stage is cut to end by GPU_DEADLINE seconds; its output is in $OUT/logs.tgz (<stage>.log).
@@ -41,9 +42,9 @@
 #   rollout_static (not run yet; ≈ 7 min planned) queue_scheduling.py, prompt_replication.py, async_vs_sync.py
 #                 with --engine-device cuda on the static decoder (64 running per engine)
 #   The stages of the GPU rows still open, in order: engine, trainer, shared_prefix, rollout_static (each alone):
-#     GPU_DEADLINE=440 bash tools/gpu_session.sh run engine -- contract
+#     GPU_DEADLINE=440 bash tools/gpu_checks.sh run engine -- contract
 #   The newest megatron-core on the GPU (what Python 3.12 users get; CI tests it on CPU only):
-#     MCORE_VERSION=0.19.2 bash tools/gpu_session.sh download   (in a fresh .whl/), then e.g. `run quickstart`
+#     MCORE_VERSION=0.19.2 bash tools/gpu_checks.sh download   (in a fresh .whl/), then e.g. `run quickstart`
 # docs/benchmarks.md says where each number goes.
 set -u
 cd "$(dirname "$0")/.."

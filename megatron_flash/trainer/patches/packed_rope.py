@@ -1,10 +1,16 @@
-"""RoPE for packed rows without a host round trip per sample.
+"""Patch: megatron-core's unfused THD RoPE, for packed rows without a host round trip per sample.
 
-Megatron-Core's unfused THD path (`rope_utils._apply_rotary_pos_emb_thd`, used whenever RoPE fusion is
-off, i.e. without Transformer Engine) reads every sample's length to the host (`.tolist()`, and
-`.item()` per sample when the frequencies are per token), splits the row, slices the frequencies per
-sample and concatenates them: on a GPU, one synchronisation and O(samples) small kernels in every
-attention layer of every micro-batch.
+  replaces   megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_thd (the module
+             attribute `apply_rotary_pos_emb` looks up; Megatron has no extension point for it)
+  why        Megatron's version (used whenever RoPE fusion is off, i.e. without Transformer Engine)
+             reads every sample's length to the host (`.tolist()`, and `.item()` per sample when the
+             frequencies are per token), splits the row, slices the frequencies per sample and
+             concatenates them: on a GPU, one synchronisation and O(samples) small kernels in every
+             attention layer of every micro-batch
+  versions   megatron-core 0.16.1 and 0.19.2 (tested); the MLA flag is `multi_latent_attention` in
+             0.16 and `mla_rotary_interleaved` from 0.17 on, both taken
+  checked    `check()` (= check_signatures) at start-up and again at install: the function replaced
+             and the bshd rotation it calls take no argument this module does not know
 
 Here the frequencies of the whole row come from one gather on the device: position-in-sample =
 index − start of its sample, the starts spread over the row by `repeat_interleave(…, output_size=T)`
@@ -15,20 +21,12 @@ same function Megatron uses for the padded layout. The two cases of Megatron's f
   freqs has the longest length's rows              → freqs[position within the sample] (positions
                                                      restart at every sample: what packing needs)
 
-A row with shared prefixes (trainer/shared_prefix.py) carries its tokens' positions on its
-cu_seqlens tensor (`mf_positions`): Megatron hands exactly that tensor to this function.
+The trainer's model (patches/explicit_positions.py) hands every packed row per-token frequencies,
+gathered from the positions it was given explicitly (within each sample, or continuing from a shared
+prompt): the first case.
 
 Context parallelism (cp > 1) keeps Megatron's function (each rank holds two chunks per sample); the
-trainer refuses cp > 1 anyway. `install()` swaps the function in once; tests/unit/test_rope.py
-compares it with Megatron's on CPU.
-
-Megatron has no extension point for this function (attention.py calls `apply_rotary_pos_emb`, which
-looks `_apply_rotary_pos_emb_thd` up in rope_utils), so it is replaced in that module, and the
-replacement follows each version's signature: the MLA interleave flag is `multi_latent_attention` in
-megatron-core 0.16 and `mla_rotary_interleaved` from 0.17 on (the old name deprecated). `install()`
-reads the signatures of the function it replaces and of the bshd rotation it calls before swapping
-anything, and refuses at start-up — one line naming the version — when either takes an argument
-this module does not know, instead of failing in the first step.
+trainer refuses cp > 1 anyway. tests/unit/test_rope.py compares it with Megatron's on CPU.
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_flash.versions import TESTED, installed
+from megatron_flash.trainer.patches.base import PatchMismatch
 
 _ORIGINAL: Any = None
 # The MLA flag's name in this version's `_apply_rotary_pos_emb_bshd` (set by `check_signatures()`).
@@ -59,10 +57,8 @@ def check_signatures() -> str:
         params = set(inspect.signature(fn).parameters)
         unknown = sorted(params - known)
         if unknown or not params & set(_MLA_NAMES):
-            raise RuntimeError(
-                f"megatron-core {installed('megatron-core')} (tested: megatron-core{TESTED['megatron-core']}): "
-                f"rope_utils.{name} takes {sorted(params)}; the packed RoPE (trainer/rope.py) "
-                f"knows {sorted(known)}, not {unknown}")
+            raise PatchMismatch(f"rope_utils.{name}", f"takes {sorted(params)}; the packed RoPE "
+                                f"(trainer/patches/packed_rope.py) knows {sorted(known)}, not {unknown}")
     bshd = set(inspect.signature(rope_utils._apply_rotary_pos_emb_bshd).parameters)
     return next(name for name in _MLA_NAMES if name in bshd)
 
@@ -86,10 +82,7 @@ def apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: t
         return _ORIGINAL(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved, mscale=mscale,
                          cp_group=cp_group, **flag)
     rows = t.shape[0]
-    positions = getattr(cu_seqlens, "mf_positions", None)
-    if positions is not None:  # shared prefixes: each response continues from its prompt's length
-        packed = freqs[positions]
-    elif freqs.size(0) == rows:
+    if freqs.size(0) == rows:
         packed = freqs
     else:
         cu = cu_seqlens.to(device=t.device, dtype=torch.long)
@@ -116,3 +109,7 @@ def original() -> Any:
     from megatron.core.models.common.embeddings import rope_utils
 
     return _ORIGINAL if _ORIGINAL is not None else rope_utils._apply_rotary_pos_emb_thd
+
+
+def check() -> None:
+    check_signatures()

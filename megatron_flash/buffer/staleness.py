@@ -67,7 +67,7 @@ at once:
 every sample trains one version after it started; eager admission (L = 2) would have started 12 at
 v = 0 and trained every later sample two versions after its start, at the same speed.
 
-Token lookahead (`async_rl.admission=tokens`; opt-in, `adaptive` is the default). What the losses
+Token lookahead (`async_rl.admission=tokens`, the default since 2026-12-03). What the losses
 correct for is the age of each token's weights, not of its sample's start: a token sampled before
 the push that ends step V trains at V + 1 or later, one sampled after it trains fresh. Whole-batch steps of L are coarse
 for that: when the trainer waits because the engines are slow (busy all along), adaptive

@@ -101,3 +101,20 @@ def test_single_node_templates_complete(cluster, warm_model) -> None:
         # 20 steps: 0.048 -> 0.061 once, 0.061 -> 0.350 another time).
         print(f"{job.name}: job {job.job_id} on {job.info()['NodeList']}, reward {first:.3f} -> {last:.3f}")
     print(f"single-node templates: {time.monotonic() - started:.0f} s for both")
+
+
+def test_a_path_under_tmp_is_refused_on_the_cluster(cluster, warm_model) -> None:
+    """/tmp is each host's own here: the template refuses MODEL_PATH under it before starting anything,
+    and the trainer its own keys (checkpoint.save_dir), each in one line naming the path (Slurm sets
+    SLURM_CLUSTER_NAME=mfcluster in the job: the templates' trigger)."""
+    model = Job("tmp_model", "single_node_split.sbatch", {"GPUS_PER_NODE": "2", "TRAIN_GPUS": "1",
+                                                          "MODEL_PATH": "/tmp/mf-model"}, ["trainer.total_steps=2"])
+    ckpt = Job("tmp_ckpt", "single_node_split.sbatch", {"GPUS_PER_NODE": "2", "TRAIN_GPUS": "1"},
+               ["trainer.total_steps=2", "checkpoint.save_dir=/tmp/mf-ckpt", "checkpoint.save_interval=1"])
+    for job in (model, ckpt):
+        job.submit()
+    assert model.wait(timeout_s=120) == "FAILED", model.logs()
+    log = open(model.batch_log).read()
+    assert "error: MODEL_PATH=/tmp/mf-model is under /tmp, which is each host's own on this cluster" in log, log
+    assert ckpt.wait(timeout_s=240) == "FAILED", ckpt.logs()
+    assert "checkpoint.save_dir='/tmp/mf-ckpt' is under /tmp" in ckpt.logs(), ckpt.logs()

@@ -57,7 +57,7 @@ CONTRACT = {
     "rollout.replication_chunk": 1,
     "rollout.extra_prompts": 0, "rollout.dynamic_filter": "none", "rollout.pause_mode": "retract",
     "rollout.reward": "exact_match",
-    "async_rl.alpha": 2, "async_rl.stale_policy": "drop", "async_rl.admission": "adaptive",
+    "async_rl.alpha": 2, "async_rl.stale_policy": "drop", "async_rl.admission": "tokens",
     "async_rl.min_lookahead": 1.0,
     "trainer.version_check_interval": 4,
     "engines.backend": "local", "engines.num_engines": 1, "engines.urls": [], "engines.host": "127.0.0.1",

@@ -21,15 +21,15 @@ class AsyncConfig(_Section):
     generation started at v with V − v <= alpha); 0 = synchronous."""
     stale_policy: str = "drop"
     """What happens to a sample that exceeds alpha: drop | regenerate (re-queue its prompt)."""
-    admission: str = "adaptive"
-    """How far ahead of training rollout starts samples: adaptive (the default: whole batches, one
-    ahead, more — up to alpha — while the trainer keeps waiting; fewer again once a whole batch sits
-    finished) | tokens (a fraction of a batch ahead, moved
-    by the trainer's waits and the share of the batch's tokens that came late; above one batch only
-    after two waits running with the engines also left with nothing admitted: no staleness that buys
-    no speed; learned better than adaptive in paired runs, its speed-up not yet measured on a quiet box:
-    docs/benchmarks.md) | eager (always alpha batches ahead). The metrics rollout_lookahead
-    and admission/* show the choice; buffer/staleness.py "Lookahead" and "Token lookahead" the rules."""
+    admission: str = "tokens"
+    """How far ahead of training rollout starts samples: tokens (the default: a fraction of a batch
+    ahead, moved by the trainer's waits and the share of the batch's tokens that came late; above one
+    batch only after two waits running with the engines also left with nothing admitted: no staleness
+    that buys no speed; as fast as adaptive or faster and learning alike in paired runs,
+    docs/benchmarks.md) | adaptive (whole batches, one ahead, more — up to alpha — while the trainer
+    keeps waiting; fewer again once a whole batch sits finished) | eager (always alpha batches ahead).
+    The metrics rollout_lookahead and admission/* show the choice; buffer/staleness.py "Lookahead" and
+    "Token lookahead" the rules."""
     min_lookahead: float = 1.0
     """admission=tokens only: the least lookahead, in batches (≤ alpha). 1 keeps the next batch generated
     while this one trains; below 1 part of it starts only after the push — fresher tokens, paid for by

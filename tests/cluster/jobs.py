@@ -114,6 +114,13 @@ class Job:
             parts.append(f"--- {name}\n{tail(os.path.join(slurm_dir, name))}")
         return "\n".join(parts)
 
+    def text(self) -> str:
+        """The batch log and every per-host log whole: a refusal printed before torchrun's long
+        traceback falls outside logs()' tails."""
+        slurm_dir = os.path.join(self.run_dir, "slurm")
+        names = sorted(os.listdir(slurm_dir)) if os.path.isdir(slurm_dir) else []
+        return "\n".join(tail(path, 10**6) for path in [self.batch_log] + [os.path.join(slurm_dir, n) for n in names])
+
     def wait(self, *, timeout_s: float, states: set[str] = FINISHED) -> str:
         """Poll until the job's state is in `states`; the state. Cancels the job on timeout."""
         deadline = time.monotonic() + timeout_s

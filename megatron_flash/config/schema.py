@@ -158,6 +158,16 @@ class RunConfig:
         if self.distill.enabled and self.engines.backend == "attach" and not self.distill.urls:
             raise ValueError("distill.urls must list the teacher engines when engines.backend=attach (a run that "
                              "attaches its student engines launches none, the teacher's included)")
+        cp = self.parallel.context_parallel_size
+        if cp > 1 and trainer.shared_prefix:
+            raise ValueError(f"parallel.context_parallel_size={cp} with trainer.shared_prefix=true is not built (a shared "
+                             "prompt's keys would have to be gathered across ranks per response); use one of them")
+        if cp > 1 and not trainer.pack_sequences:
+            raise ValueError(f"parallel.context_parallel_size={cp} needs trainer.pack_sequences=true (each packed "
+                             "sequence is split into 2·CP chunks)")
+        if cp > 1 and self.model.use_transformer_engine == "true":
+            raise ValueError(f"parallel.context_parallel_size={cp} runs on the local layer spec (its attention "
+                             "all-gathers K/V itself): set model.use_transformer_engine=auto or false")
         if trainer.shared_prefix and self.model.use_transformer_engine == "true":
             raise ValueError("trainer.shared_prefix=true needs the local layer spec (Transformer Engine's packed "
                              "attention has no prompt-to-response mask): set model.use_transformer_engine=auto or false")

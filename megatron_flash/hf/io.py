@@ -134,8 +134,8 @@ def _shard_rank(rule: Any, layout: Layout) -> tuple[int, int]:
 def owns(rule: Any, layout: Layout) -> bool:
     """Is this rank the one that hands out the parameter's full HF tensors (export, weight sync)?"""
     if rule.is_expert:
-        return layout.etp_rank == 0 and layout.edp_rank == 0
-    return layout.tp_rank == 0 and layout.dp_rank == 0
+        return layout.etp_rank == 0 and layout.edp_rank == 0 and layout.cp_rank == 0
+    return layout.tp_rank == 0 and layout.dp_rank == 0 and layout.cp_rank == 0  # replicated over CP
 
 
 def _resolve(name_map: Any, name: str, offset: int, spec: HFModelSpec, layout: Layout) -> tuple[Any, tuple[str, ...]]:
@@ -212,7 +212,7 @@ def _gather_experts(name_map: Any, name: str, offset: int, tensors: dict[str, to
         parts = [torch.empty_like(tensor) for _ in range(layout.ep_size)]
         dist.all_gather(parts, tensor.contiguous(), group=ps.get_expert_model_parallel_group())
         gathered[hf_name] = parts
-    if not (layout.tp_rank == 0 and layout.dp_rank == 0):
+    if not (layout.tp_rank == 0 and layout.dp_rank == 0 and layout.cp_rank == 0):
         return
     for ep in range(layout.ep_size):
         _, names = name_map.resolve(name, layer_offset=offset, tied=spec.tie_word_embeddings,

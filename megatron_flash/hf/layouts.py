@@ -39,6 +39,9 @@ class Layout:
     etp_rank: int = 0
     edp_rank: int = 0
     """Rank among the replicas of this rank's experts (expert data parallel)."""
+    cp_size: int = 1
+    """Context parallel: each sequence is split over this many ranks (weights are replicated)."""
+    cp_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:

@@ -205,7 +205,7 @@ def _save(policy: Any, save_dir: str, final: str, *, step: int, version: int, ro
     dist.barrier(group=group)
     if layout.rank == 0:
         meta = {"step": step, "version": version, "format": "megatron-dist", "world_size": layout.world_size,
-                "tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size}
+                "tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size, "cp": layout.cp_size}
         if _lora(policy) is not None:
             meta["lora"] = _lora(policy)
         with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -234,8 +234,8 @@ def load(policy: Any, path: str) -> tuple[dict[str, Any], Optional[dict[str, Any
     layout = policy.layout
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
-    want = {"world_size": layout.world_size, "tp": layout.tp_size, "pp": layout.pp_size}
-    have = {k: meta[k] for k in want}
+    want = {"world_size": layout.world_size, "tp": layout.tp_size, "pp": layout.pp_size, "cp": layout.cp_size}
+    have = {k: meta.get(k, 1) if k == "cp" else meta[k] for k in want}  # checkpoints before CP: cp 1
     _check_lora_meta(policy, meta, path)
     if meta.get("format") == "megatron-dist":
         from megatron.core import dist_checkpointing

@@ -75,6 +75,8 @@ def init_distributed(*, tp_size: int, pp_size: int, seed: int, backend: str = "a
         etp_size=etp_size,
         etp_rank=ps.get_expert_tensor_parallel_rank(),
         edp_rank=ps.get_expert_data_parallel_rank(),
+        cp_size=cp_size,
+        cp_rank=ps.get_context_parallel_rank(),
     )
 
 

@@ -25,7 +25,8 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_flash.trainer import shared_prefix
+from megatron_flash.trainer import attention_plan
+from megatron_flash.trainer.patches import cp_attention
 
 _CLASS: Optional[type] = None
 
@@ -65,8 +66,9 @@ def flash_dot_product_attention() -> type:
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
         class FlashDotProductAttention(DotProductAttention):
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                super().__init__(*args, **kwargs)
+            def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+                super().__init__(cp_attention.init_config(config), *args, **kwargs)  # its own CP: the plan
+                self.config = config
                 if self.config.attention_dropout:
                     raise ValueError("model.attention_backend=flash runs without attention dropout "
                                      f"(attention_dropout={self.config.attention_dropout})")
@@ -90,8 +92,10 @@ def flash_dot_product_attention() -> type:
                         params: Any) -> torch.Tensor:
                 # THD: query [T, heads, dim], key/value [T, groups, dim] → output [T, 1, heads·dim]
                 varlen_attn, causal, has_gqa = _varlen_kwargs()
-                _, shared = shared_prefix.plans(params)
-                if shared is not None:  # shared prefixes: each response's keys are [its prompt's; its own]
+                plan = attention_plan.plan_of(params)
+                if plan is not None:  # shared prefixes ([prompt; own] keys), context parallelism (gathered)
+                    shared = plan.flash_plan
+                    key, value = attention_plan.keys_and_values(key, value, plan)
                     key, value = key[shared["k_index"]], value[shared["k_index"]]
                     cu, cu_k = shared["cu_q"], shared["cu_k"]
                     longest, longest_k = int(shared["max_q"]), int(shared["max_k"])

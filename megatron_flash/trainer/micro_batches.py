@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_flash.types import TrainBatch
-from megatron_flash.trainer import shared_prefix
+from megatron_flash.trainer import context_parallel, shared_prefix
 from megatron_flash.trainer.packing import (
     SampleTooLong,
     cu_seqlens,
@@ -52,10 +52,15 @@ class Micro:
     extra_src: Optional[torch.Tensor] = None  # shared prefixes: [K] row positions whose logits predict
     extra_rows: Optional[torch.Tensor] = None  # [K] this micro-batch's sample …
     extra_cols: Optional[torch.Tensor] = None  # [K] … token at this column (trainer/shared_prefix.py)
+    row: Optional[torch.Tensor] = None  # context parallelism: the whole row's tokens [1, T] (tokens: this rank's)
+    cp_index: Optional[torch.Tensor] = None  # [T / CP] the row positions this rank holds (context_parallel.py)
+    cp_order: Optional[torch.Tensor] = None  # [T] each row position's index in the gathered local rows
 
     @property
     def row_len(self) -> int:
-        return int(self.tokens.shape[1])
+        """The whole row's tokens (under context parallelism every CP rank's share together: Megatron's
+        pipeline divides it by CP for the activations a stage sends)."""
+        return int((self.tokens if self.row is None else self.row).shape[1])
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[n, w, ...] loss-view values → the model rows' layout [r, T, ...] (value of column c where
@@ -92,6 +97,9 @@ class BatchingOptions:
     equal_counts: bool = False  # expert parallel: every DP rank runs the same number of micro-batches
     min_micro_batches: int = 1
     micro_batch_multiple: int = 1
+    cp_size: int = 1  # context parallelism: each row is split over this many ranks (context_parallel.py)
+    cp_rank: int = 0
+    cp_group: Any = None
 
 
 def sample_lengths(batch: TrainBatch, *, max_seq_len: int = 0) -> list[int]:
@@ -129,11 +137,15 @@ def _packed(batch: TrainBatch, lengths: list[int], opts: BatchingOptions, *, dp_
         units = shared_prefix.shared_units(batch.tokens, lengths, batch.prompt_lengths.tolist(),
                                            batch.group_ids.tolist(), max_tokens=opts.max_tokens,
                                            max_samples=opts.micro_batch_size)
+    cp = opts.cp_size
     plan = plan_micro_batches(lengths, dp_size=dp_size, max_tokens=opts.max_tokens,
-                              max_samples=opts.micro_batch_size, pad_multiple=opts.pad_multiple,
+                              max_samples=opts.micro_batch_size,
+                              # under CP: every sequence in 2·CP chunks, each rank's row a multiple of TP
+                              pad_multiple=opts.pad_multiple * (2 * cp if cp > 1 else 1),
                               equal_rows=opts.equal_rows, equal_counts=opts.equal_counts,
                               min_micro_batches=opts.min_micro_batches,
-                              micro_batch_multiple=opts.micro_batch_multiple, units=units)[dp_rank]
+                              micro_batch_multiple=opts.micro_batch_multiple, units=units,
+                              seq_multiple=2 * cp if cp > 1 else 1)[dp_rank]
     tokens = batch.tokens
     micro = []
     for mb in plan:
@@ -159,6 +171,9 @@ def _packed(batch: TrainBatch, lengths: list[int], opts: BatchingOptions, *, dp_
             if layout.extra_src.numel():
                 m.extra_src, m.extra_rows, m.extra_cols = (t.to(device) for t in
                                                            (layout.extra_src, layout.extra_rows, layout.extra_cols))
+        if cp > 1:  # this rank's chunks of every sequence (shared prefixes are refused under CP)
+            m = context_parallel.localize(m, mb.segment_lengths(), cp_size=cp, cp_rank=opts.cp_rank,
+                                          group=opts.cp_group, device=device)
         if batch.routed_experts is not None and not mb.filler:
             m.routes = torch.cat([batch.routed_experts[i, :n] for i, n in zip(mb.indices, mb.lengths)]
                                  + [batch.routed_experts.new_zeros(mb.row_len - mb.num_tokens,

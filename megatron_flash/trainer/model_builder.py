@@ -92,21 +92,15 @@ def validate_layout(spec: HFModelSpec, *, tp_size: int, pp_size: int, vpp_size: 
         )
 
 
-def check_scale_options(scale: "ScaleOptions", *, optimizer: Any, uses_te: bool) -> None:
+def check_scale_options(scale: "ScaleOptions", *, optimizer: Any, uses_te: bool, moe: bool = False) -> None:
     """Options the installed stack cannot honour are errors here, never silently dropped."""
-    if scale.context_parallel_size > 1 and not uses_te:
-        raise ValueError(
-            f"parallel.context_parallel_size={scale.context_parallel_size} needs Transformer Engine "
-            "attention (Megatron-Core implements context parallelism there only); transformer_engine is "
-            "not in use (not installed, no CUDA, or model.use_transformer_engine=false)"
-        )
-    if scale.context_parallel_size > 1:
-        # Under CP each rank's logits cover two chunks of every sequence; the logprob gather and the
-        # per-sample unpacking here assume whole rows. Refuse rather than train on wrong logprobs.
-        raise ValueError(
-            f"parallel.context_parallel_size={scale.context_parallel_size} needs CP-aware logprobs in the "
-            "trainer (each CP rank holds two chunks of every packed sample), which are not built yet"
-        )
+    cp = scale.context_parallel_size
+    if cp > 1 and uses_te:  # resolve_te takes the local spec for CP unless told true (refused there)
+        raise ValueError(f"parallel.context_parallel_size={cp} runs on the local layer spec; Transformer Engine's "
+                         "is in use")
+    if cp > 1 and moe:
+        raise ValueError(f"parallel.context_parallel_size={cp} with a mixture-of-experts model is not built (the "
+                         "routers' load balancing and routing replay count each rank's chunks)")
     if getattr(optimizer, "cpu_offload_fraction", 0.0) > 0 and not torch.cuda.is_available():
         raise ValueError(
             "optimizer.cpu_offload_fraction > 0 needs CUDA: a CPU trainer already keeps the optimizer in "
@@ -114,9 +108,12 @@ def check_scale_options(scale: "ScaleOptions", *, optimizer: Any, uses_te: bool)
         )
 
 
-def local_spec_reasons(*, lora_rank: int = 0, shared_prefix: bool = False, attention_backend: str = "auto") -> list[str]:
+def local_spec_reasons(*, lora_rank: int = 0, shared_prefix: bool = False, attention_backend: str = "auto",
+                       context_parallel_size: int = 1) -> list[str]:
     """The enabled options that run on the local (TE-free) layer spec only, each named by its key."""
     reasons = []
+    if context_parallel_size > 1:  # the local spec's attention gathers K/V over the CP group itself
+        reasons.append(f"parallel.context_parallel_size={context_parallel_size}")
     if lora_rank:  # adapters wrap Megatron's own parallel linears; TE fuses norm + linear
         reasons.append(f"model.lora.rank={lora_rank}")
     if shared_prefix:  # TE's packed attention has no prompt-to-response mask

@@ -12,8 +12,8 @@ GQA-expanded) on each sample, batching samples of equal length into one call. At
 costs Σ l² for samples of lengths l, as with TE, not T² for the row: a block-diagonal mask over the
 whole row would spend most of its time on masked-out pairs when many short samples share a row.
 
-Shared prefixes (trainer/shared_prefix.py) bring a plan of their own (`SharedPrefixParams.local_plan`,
-built on the host with the micro-batch): per shape, the rows' query and key positions of the sequences batched
+Shared prefixes (trainer/shared_prefix.py) and context parallelism (trainer/context_parallel.py) bring a
+plan of their own (trainer/attention_plan.py, built on the host with the micro-batch): per shape, the rows' query and key positions of the sequences batched
 together, and for a response the bottom-right causal mask over [its prompt's keys; its own] (query
 i sees the prompt and its own first i + 1 tokens): Megatron's DotProductAttention with that mask
 computes, for each response token, the very scores and softmax of the unshared sample's row.
@@ -26,7 +26,8 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_flash.trainer import shared_prefix
+from megatron_flash.trainer import attention_plan
+from megatron_flash.trainer.patches import cp_attention
 
 _CLASS: Optional[type] = None
 
@@ -38,16 +39,21 @@ def packed_dot_product_attention() -> type:
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
         class PackedDotProductAttention(DotProductAttention):
+            def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+                super().__init__(cp_attention.init_config(config), *args, **kwargs)  # its own CP: the plan
+                self.config = config
+
             def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                         attn_mask_type: Any = None, attention_bias: Any = None,
                         packed_seq_params: Any = None) -> torch.Tensor:
                 if packed_seq_params is None:
                     return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                            attention_bias=attention_bias)
-                plan, _ = shared_prefix.plans(packed_seq_params)
-                if plan is not None:
+                plan = attention_plan.plan_of(packed_seq_params)
+                if plan is not None:  # shared prefixes, context parallelism
+                    key, value = attention_plan.keys_and_values(key, value, plan)
                     out = query.new_empty(query.shape[0], 1, query.shape[1] * query.shape[2])
-                    for q_index, k_index, mask in plan:
+                    for q_index, k_index, mask in plan.local_plan:
                         context = super().forward(query[q_index], key[k_index], value[k_index], mask,
                                                   attn_mask_type=attn_mask_type)  # [sq, b, heads·dim]
                         out[q_index.reshape(-1), 0] = context.reshape(q_index.numel(), -1)

@@ -50,17 +50,20 @@ class MicroBatch:
     row_len: int  # tokens in the row, padding included (>= num_tokens)
     filler: bool = False  # a rank with no sample: sample 0's first token, trains nothing
     segments: tuple[tuple[int, int], ...] = ()
+    seq_multiple: int = 1
+    """Every sample is padded to a multiple of this (2·CP under context parallelism: its chunks);
+    the padding follows the sample's tokens inside its own segment."""
 
     def segment_spans(self) -> list[tuple[int, int]]:
         """(samples, shared prefix length) per segment; (1, 0) per sample when nothing is shared."""
         return list(self.segments) or [(1, 0)] * len(self.indices)
 
     def physical_lengths(self) -> list[int]:
-        """Tokens of each segment in the row (a shared prefix once)."""
+        """Tokens of each segment in the row (a shared prefix once; padded to seq_multiple)."""
         out, i = [], 0
         for k, prefix in self.segment_spans():
             lens = self.lengths[i:i + k]
-            out.append(prefix + sum(n - prefix for n in lens))
+            out.append(round_up(prefix + sum(n - prefix for n in lens), self.seq_multiple))
             i += k
         return out
 
@@ -129,12 +132,15 @@ class Unit:
 def plan_micro_batches(lengths: Sequence[int], *, dp_size: int, max_tokens: int = 0, max_samples: int,
                        pad_multiple: int = 1, equal_rows: bool = False, equal_counts: bool = False,
                        min_micro_batches: int = 1, micro_batch_multiple: int = 1,
-                       units: Optional[Sequence[Unit]] = None) -> list[list[MicroBatch]]:
+                       units: Optional[Sequence[Unit]] = None, seq_multiple: int = 1) -> list[list[MicroBatch]]:
     """Micro-batches for every DP rank (list index = DP rank).
 
     `units` (trainer.shared_prefix, trainer/shared_prefix.py makes them): place these units whole
     instead of single samples; the budget and the DP balance count a unit's tokens once per prefix,
     `max_samples` its samples.
+
+    `seq_multiple` (context parallelism: 2·CP): every sample is padded to a multiple of it, and the
+    budget and the balance count it so.
 
     `min_micro_batches` / `micro_batch_multiple`: the interleaved pipeline schedule needs at least PP
     micro-batches and a count it can group by PP; extra micro-batches are fillers (sample 0's first token).
@@ -152,7 +158,7 @@ def plan_micro_batches(lengths: Sequence[int], *, dp_size: int, max_tokens: int 
                                     f"trainer.max_tokens_per_micro_batch={max_tokens}")
     # Items: every sample alone, or (trainer.shared_prefix) units of samples that share a prompt.
     items = [Unit((i,), 0) for i in range(len(lengths))] if units is None else list(units)
-    sizes = [u.tokens(lengths) for u in items]
+    sizes = [round_up(u.tokens(lengths), seq_multiple) for u in items]
     counts = [len(u.samples) for u in items]
     plans: list[list[list[int]]] = [
         _first_fit(mine, sizes, max_tokens=max_tokens, max_samples=max_samples, counts=counts)
@@ -169,12 +175,12 @@ def plan_micro_batches(lengths: Sequence[int], *, dp_size: int, max_tokens: int 
             samples = tuple(i for u in b for i in items[u].samples)
             lens = tuple(lengths[i] for i in samples)
             segments = tuple((len(items[u].samples), items[u].prefix) for u in b) if units is not None else ()
-            mbs.append(MicroBatch(indices=samples, lengths=lens, segments=segments,
+            mbs.append(MicroBatch(indices=samples, lengths=lens, segments=segments, seq_multiple=seq_multiple,
                                   row_len=common or round_up(sum(sizes[u] for u in b), pad_multiple)))
         count = max(len(mbs), min_micro_batches)
         count = round_up(count, micro_batch_multiple)
         filler_len = common or round_up(1, pad_multiple)
-        mbs += [MicroBatch(indices=(0,), lengths=(1,), row_len=filler_len, filler=True)
+        mbs += [MicroBatch(indices=(0,), lengths=(1,), row_len=filler_len, filler=True, seq_multiple=seq_multiple)
                 for _ in range(count - len(mbs))]
         out.append(mbs)
     return out
@@ -183,15 +189,17 @@ def plan_micro_batches(lengths: Sequence[int], *, dp_size: int, max_tokens: int 
 def packed_inputs(mb: MicroBatch, tokens: torch.Tensor, *, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [1, row_len], position ids [1, row_len]) of a packed row from padded `tokens` [B, S].
 
-    Positions restart at 0 in every segment (the padding tail counts as a segment of its own)."""
+    Positions restart at 0 in every segment (the padding tail counts as a segment of its own); a
+    sample's own padding (seq_multiple) has position 0."""
     parts, positions = [], []
     for i, n in zip(mb.indices, mb.lengths):
-        parts.append(tokens[i, :n])
+        pad = round_up(n, mb.seq_multiple) - n
+        parts += [tokens[i, :n], torch.full((pad,), pad_id, dtype=tokens.dtype, device=tokens.device)]
+        positions += [torch.arange(n, device=tokens.device), torch.zeros(pad, dtype=torch.long, device=tokens.device)]
     tail = mb.row_len - mb.num_tokens
     if tail:
         parts.append(torch.full((tail,), pad_id, dtype=tokens.dtype, device=tokens.device))
-    for n in mb.segment_lengths():
-        positions.append(torch.arange(n, device=tokens.device))
+        positions.append(torch.arange(tail, device=tokens.device))
     return torch.cat(parts).unsqueeze(0), torch.cat(positions).unsqueeze(0)
 
 
@@ -206,7 +214,7 @@ def unpack_index(mb: MicroBatch, width: int) -> tuple[torch.Tensor, torch.Tensor
     """(index [n, width] into the packed row, valid [n, width] bool): row j column t of the
     unpacked view is packed position offset_j + t where t < length_j."""
     n = len(mb.indices)
-    offsets = torch.tensor([0] + list(mb.lengths[:-1])).cumsum(0)
+    offsets = torch.tensor([0] + [round_up(x, mb.seq_multiple) for x in mb.lengths[:-1]]).cumsum(0)
     cols = torch.arange(width)
     valid = cols[None, :] < torch.tensor(mb.lengths)[:, None]
     index = torch.where(valid, offsets[:, None] + cols[None, :], torch.zeros(n, width, dtype=torch.long))

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_flash.trainer import context_parallel
 from megatron_flash.trainer.distributed import Layout, init_distributed
 from megatron_flash.hf.adapters import peft_config
 from megatron_flash.hf.io import export_adapter, export_hf, load_hf_weights
@@ -88,7 +89,7 @@ class MegatronPolicy:
         check_lora(self.spec, s.lora, uses_te=self.uses_te)
         check_shared_prefix(self.spec, enabled=s.shared_prefix, uses_te=self.uses_te)
         self.attention = attention_backend(s.attention_backend, uses_te=self.uses_te, dtype=s.dtype)
-        check_scale_options(s.scale, optimizer=s.optimizer, uses_te=self.uses_te)
+        check_scale_options(s.scale, optimizer=s.optimizer, uses_te=self.uses_te, moe=self.spec.moe is not None)
         self.layout: Layout = init_distributed(tp_size=s.tp_size, pp_size=s.pp_size, seed=s.seed, backend=s.backend,
                                                timeout_s=s.collective_timeout_s,
                                                vpp_size=vpp, cp_size=s.scale.context_parallel_size,
@@ -204,7 +205,8 @@ class MegatronPolicy:
             micro_batch_size=s.micro_batch_size, max_tokens=s.max_tokens_per_micro_batch,
             max_seq_len=s.max_seq_len, pad_multiple=s.tp_size,  # sequence parallel splits rows over TP
             equal_rows=pp > 1 or allgather, equal_counts=ep > 1, min_micro_batches=pp if interleaved else 1,
-            micro_batch_multiple=pp if interleaved else 1,
+            micro_batch_multiple=pp if interleaved else 1, cp_size=self.layout.cp_size, cp_rank=self.layout.cp_rank,
+            cp_group=context_parallel.group() if self.layout.cp_size > 1 else None,
         )
 
     def _micro_batches(self, batch: TrainBatch, *, share: bool = True) -> list[Micro]:
@@ -220,7 +222,7 @@ class MegatronPolicy:
         teacher top-K in the batch the student's logprobs of those K tokens, [n, w, K] (same pass)."""
         from megatron.core import parallel_state as ps
 
-        tokens = m.tokens
+        tokens = m.tokens if m.row is None else m.row  # context parallelism: the whole row's
         targets = tokens[:, 1:]
         topk = m.fields.teacher_topk_ids
         if topk is not None:  # one pass for the sampled token and the teacher's K (loss-view → model row)
@@ -232,7 +234,10 @@ class MegatronPolicy:
                 tp_size=self.layout.tp_size, tp_group=ps.get_tensor_model_parallel_group(),
                 temperature=temperature, with_entropy=with_entropy)
 
-        lp, ent = score(output[:, :-1], targets)
+        if m.cp_order is None:
+            lp, ent = score(output[:, :-1], targets)
+        else:  # this rank's positions scored, then gathered into the row over the CP group
+            lp, ent = context_parallel.score(score, output, targets, m, ps.get_context_parallel_group())
         if m.extra_src is not None:  # shared prefixes: each response's first token from the prompt's last logits
             pairs = m.fields.tokens[m.extra_rows, m.extra_cols]
             if topk is not None:
@@ -344,6 +349,8 @@ class MegatronPolicy:
                 else:
                     parts = [output]
                 full = torch.cat(parts, dim=-1)[..., : self.spec.vocab_size].float()
+                if m.cp_order is not None:  # this rank's positions → the whole row
+                    full = context_parallel.gather_rows(full, m)
                 if m.index is not None:  # packed: logit t predicts token t+1, keep it at column t
                     full = full[0][m.index.to(full.device)] * m.valid.to(full.device)[..., None]
                 return full.new_zeros(()), torch.tensor(1, dtype=torch.int), {"logits": full}
@@ -368,7 +375,9 @@ class MegatronPolicy:
                 report = {"loss_sum": loss_sum.detach().float(), "denominator": denom.detach().float()}
                 for k, v in metrics.items():  # weight by the micro-batch's denominator
                     report[k] = v.detach().float() * denom.detach().float()
-                return loss_sum, denom.to(torch.int), report
+                # Megatron sums token counts over DP × CP: every CP rank computed this micro-batch's loss
+                # over the whole row, CP rank 0 counts its tokens
+                return loss_sum, denom.to(torch.int) * int(self.layout.cp_rank == 0), report
             return loss_func
 
         for chunk in self.chunks:

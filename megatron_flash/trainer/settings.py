@@ -45,7 +45,8 @@ class PolicySettings:
     def local_spec_reasons(self) -> list[str]:
         """The enabled options that need the local (TE-free) layer spec, by key (resolve_te)."""
         return local_spec_reasons(lora_rank=self.lora.rank, shared_prefix=self.shared_prefix,
-                                  attention_backend=self.attention_backend)
+                                  attention_backend=self.attention_backend,
+                                  context_parallel_size=self.scale.context_parallel_size)
 
     @classmethod
     def from_sections(cls, *, model: "ModelConfig", parallel: "ParallelConfig", trainer: "TrainerConfig",

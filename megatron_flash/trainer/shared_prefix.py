@@ -19,20 +19,20 @@ the micro-batch's sample cap; a unit of one sample is laid out as usual. Attenti
 here on the host, once per micro-batch, so the attention layers run them with no host sync:
   local   (packed_attention.py) per shape, index tensors into the row's q/k/v and a bottom-right mask
   flash   (flash_attention.py) cu_seqlens of the queries and of keys gathered per sequence ([P; Ri])
-The plans travel with the row's PackedSeqParams as a typed subclass of it (`SharedPrefixParams`);
+The plans travel with the row's PackedSeqParams as typed fields of a subclass of it (attention_plan.py);
 RoPE positions travel as the model's `position_ids` (trainer/patches/explicit_positions.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections import defaultdict
 from typing import Any, Optional, Sequence
 
 import torch
 
+from megatron_flash.trainer import attention_plan
 from megatron_flash.trainer.packing import MicroBatch, SampleTooLong, Unit
 
 logger = logging.getLogger(__name__)
@@ -239,32 +239,7 @@ def _flash_plan(sequences: list) -> dict:
     return {"cu_q": cu(q_lens), "cu_k": cu(k_lens), "k_index": k_index, "max_q": max(q_lens), "max_k": max(k_lens)}
 
 
-@functools.lru_cache(maxsize=None)
-def shared_params_class() -> type:
-    """Megatron's PackedSeqParams with a shared-prefix row's attention plans as two typed fields."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    @dataclasses.dataclass
-    class SharedPrefixParams(PackedSeqParams):
-        local_plan: Optional[list] = None
-        """[(q_index [sq, b], k_index [sk, b], mask [sq, sk] | None)] (packed_attention.py)."""
-        flash_plan: Optional[dict] = None
-        """cu_q, cu_k, k_index, max_q, max_k (flash_attention.py)."""
-
-    return SharedPrefixParams
-
-
 def with_plans(params: Any, layout: Layout, device: torch.device) -> Any:
-    """The row's PackedSeqParams as a SharedPrefixParams carrying its attention plans on `device`."""
-    return shared_params_class()(
-        **{f.name: getattr(params, f.name) for f in dataclasses.fields(params)},
-        local_plan=[(q.to(device), k.to(device), None if m is None else m.to(device)) for q, k, m in layout.local_plan],
-        flash_plan={key: v.to(device) if torch.is_tensor(v) else v for key, v in layout.flash_plan.items()})
-
-
-def plans(params: Any) -> tuple[Optional[list], Optional[dict]]:
-    """(local plan, flash plan) of a shared-prefix row's params; (None, None) for any other row."""
-    if isinstance(params, shared_params_class()):
-        return params.local_plan, params.flash_plan
-    return None, None
+    """The row's PackedSeqParams carrying its attention plans (trainer/attention_plan.py) on `device`."""
+    return attention_plan.with_plan(params, local_plan=layout.local_plan, flash_plan=layout.flash_plan, device=device)
 

@@ -27,6 +27,7 @@ from megatron_flash.config.schema import OptimizerConfig  # noqa: E402
 from megatron_flash.trainer import checkpoint as ckpt  # noqa: E402
 from megatron_flash.trainer.distributed import destroy_distributed  # noqa: E402
 from megatron_flash.trainer.lora import LoraOptions  # noqa: E402
+from megatron_flash.trainer.model_builder import ScaleOptions  # noqa: E402
 from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings  # noqa: E402
 from megatron_flash.types import TrainBatch  # noqa: E402
 from tests.distributed.grouped_cases import read_cases  # noqa: E402
@@ -52,6 +53,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--distributed-optimizer", action="store_true")
+    p.add_argument("--cp", type=int, default=1, help="context parallel size")
     p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (base frozen)")
     return p
 
@@ -61,7 +63,7 @@ def run_case(args: argparse.Namespace) -> None:
         hf_path=args.hf_dir, tp_size=args.tp, pp_size=args.pp, micro_batch_size=2, optimizer_steps=10,
         optimizer=OptimizerConfig(name="adam", lr=1e-2, clip_grad=1e6, lr_warmup_steps=3,
                                   use_distributed_optimizer=args.distributed_optimizer),
-        lora=LoraOptions(rank=args.lora_rank),
+        lora=LoraOptions(rank=args.lora_rank), scale=ScaleOptions(context_parallel_size=args.cp),
     ))
     vocab = policy.spec.vocab_size
     out: dict[str, float] = {}

@@ -119,6 +119,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vpp", type=int, default=None)
     p.add_argument("--sp", action="store_true", help="sequence parallel")
     p.add_argument("--cp", type=int, default=1, help="context parallel size")
+    p.add_argument("--dtype", default="float32", help="model.dtype")
+    p.add_argument("--attention-backend", default="auto", help="model.attention_backend (flash: CUDA)")
     p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE)")
     p.add_argument("--moe-aux", type=float, default=None, help="MoE load-balancing loss coefficient")
     p.add_argument("--recompute", default="none")
@@ -152,6 +154,7 @@ def lora_options(args: argparse.Namespace, adapter_path: str = "") -> LoraOption
 def build(args: argparse.Namespace, adapter_path: str = "") -> MegatronPolicy:
     return MegatronPolicy(PolicySettings(
         hf_path=args.hf_dir, tp_size=args.tp, pp_size=args.pp, micro_batch_size=args.micro_batch_size,
+        dtype=args.dtype, attention_backend=args.attention_backend,
         pack_sequences=not args.no_pack, max_tokens_per_micro_batch=args.max_tokens, shared_prefix=args.shared_prefix,
         scale=ScaleOptions(sequence_parallel=args.sp, virtual_pipeline_size=args.vpp, recompute=args.recompute,
                            context_parallel_size=args.cp,
@@ -258,6 +261,8 @@ def _run_case(args: argparse.Namespace) -> None:
         metrics = policy.train_step(batch, loss_fn)
         losses.append(metrics["loss"])
     metrics["losses"] = losses
+    # the tokens this rank's layers run on (under context parallelism: its share of every row)
+    tokens_computed = sum(int(m.tokens.shape[1]) for m in policy._micro_batches(batch))
     if args.record_dropout:
         torch.nn.functional.dropout = plain
         torch.save(recorded, os.path.join(args.out, f"dropout_rank{dist.get_rank()}.pt"))
@@ -265,7 +270,7 @@ def _run_case(args: argparse.Namespace) -> None:
     if dist.get_rank() == 0:
         torch.save(logprobs, os.path.join(args.out, "logprobs.pt"))
         with open(os.path.join(args.out, "metrics.json"), "w") as f:
-            json.dump({**metrics, "dp": policy.layout.dp_size}, f)
+            json.dump({**metrics, "dp": policy.layout.dp_size, "tokens_computed": tokens_computed}, f)
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """Run checkpoints are layout-independent (Megatron dist_checkpointing): a checkpoint saved by a TP1×PP1
-run resumes under TP2, PP2 and DP2 (distributed optimizer), and the next Adam step equals the
+run resumes under TP2, PP2, DP2 (distributed optimizer) and CP2 (with and without it: the optimizer
+then shards over DP × CP), and the next Adam step equals the
 uninterrupted run's — loss and every exported weight within 1e-5 (fp32, gloo). Adam (lr 1e-2, warm-up
 schedule) makes the comparison sensitive to the optimizer moments and the LR schedule, not only the
 weights: a resume that lost them would move the weights differently by ~lr.
@@ -22,6 +23,8 @@ from tests.distributed.grouped_cases import launch_grouped
 
 CASES = {"tp2": (["--tp", "2"], "plain"), "pp2": (["--pp", "2"], "plain"),
          "dp2_distributed_optimizer": (["--distributed-optimizer"], "distributed"),
+         "cp2": (["--cp", "2"], "plain"),
+         "cp2_distributed_optimizer": (["--cp", "2", "--distributed-optimizer"], "distributed"),
          "lora_tp2": (["--tp", "2", "--lora-rank", "4"], "lora"), "lora_pp2": (["--pp", "2", "--lora-rank", "4"], "lora"),
          "lora_dp2_distributed_optimizer": (["--distributed-optimizer", "--lora-rank", "4"], "lora_distributed")}
 KINDS = {"plain": [], "distributed": ["--distributed-optimizer"], "lora": ["--lora-rank", "4"],

@@ -94,7 +94,7 @@ def megatron_view(overrides: list[str], spec: HFModelSpec = SPEC) -> dict[str, A
     validate_layout(spec, tp_size=s.tp_size, pp_size=s.pp_size, vpp_size=s.scale.virtual_pipeline_size, moe=s.moe,
                     sequence_parallel=s.scale.sequence_parallel, recompute=s.scale.recompute)
     uses_te = use_te(s.use_transformer_engine)
-    check_scale_options(s.scale, optimizer=s.optimizer, uses_te=uses_te)
+    check_scale_options(s.scale, optimizer=s.optimizer, uses_te=uses_te, moe=spec.moe is not None)
     return {
         "TransformerConfig": transformer_config_kwargs(spec, tp_size=s.tp_size, pp_size=s.pp_size, dtype=s.dtype,
                                                        scale=s.scale, moe=s.moe),
@@ -147,10 +147,13 @@ def test_recompute_reaches_transformer_config() -> None:
 
 
 def test_scale_errors_name_the_field_and_the_reason() -> None:
-    if use_te("auto"):
-        pytest.skip("Transformer Engine is in use here: context parallel is accepted")
-    with pytest.raises(ValueError, match="parallel.context_parallel_size=2 needs Transformer Engine"):
-        megatron_view(["parallel.context_parallel_size=2"])
+    with pytest.raises(ValueError, match="parallel.context_parallel_size=2 with a mixture-of-experts model is not built"):
+        megatron_view(["parallel.context_parallel_size=2"], MOE_SPEC)
+    for extra, reason in ((["trainer.shared_prefix=true"], "with trainer.shared_prefix=true is not built"),
+                          (["trainer.pack_sequences=false"], "needs trainer.pack_sequences=true"),
+                          (["model.use_transformer_engine=true"], "runs on the local layer spec")):
+        with pytest.raises(ConfigError, match="parallel.context_parallel_size=2 " + reason):
+            load_config(None, BASE + ["parallel.context_parallel_size=2"] + extra)
     with pytest.raises(ValueError, match="trainer.max_tokens_per_micro_batch needs trainer.pack_sequences=true"):
         megatron_view(["trainer.max_tokens_per_micro_batch=64", "trainer.pack_sequences=false"])
     with pytest.raises(ValueError, match="trainer.recompute_method is only used with trainer.recompute=full"):

@@ -31,8 +31,10 @@ class ParallelConfig(_Section):
     """Interleaved 1F1B: model chunks per pipeline stage (each stage holds V non-contiguous blocks
     of layers); null = no interleaving. num_hidden_layers must divide by PP × V."""
     context_parallel_size: int = 1
-    """Context parallelism: each sequence split over this many ranks. Megatron-Core implements it in
-    Transformer Engine attention only, so > 1 needs TE (and CUDA); world = TP × PP × CP × DP."""
+    """Context parallelism: each sequence split into 2·CP chunks over this many ranks (rank r holds
+    chunks r and 2·CP−1−r), K/V all-gathered in attention, on the local layer spec (CPU, any dtype;
+    flash attention on CUDA): docs/trainer.md. Needs packed micro-batches; refused with
+    trainer.shared_prefix and with mixture-of-experts models. World = TP × PP × CP × DP."""
     expert_model_parallel_size: int = 1
     """MoE models: the experts of every MoE layer are split over this many ranks (EP). The number of
     experts must divide by it, and the world size by expert_tensor_parallel_size × EP × PP."""

@@ -19,12 +19,14 @@ megatron or torch module or class (tests/unit/test_patches.py reads the source t
   lora_linear      the class of each adapted parallel linear         LoRA on
   explicit_positions  GPTModel._preprocess (a subclass): packed rows'   model build (every run)
                    RoPE positions from position_ids
+  cp_attention     DotProductAttention.__init__'s CP == 1 assertion  core attention build, CP > 1
 """
 
 from __future__ import annotations
 
 from megatron_flash.trainer.patches import (
     async_save,
+    cp_attention,
     cpu,
     explicit_positions,
     lora_linear,
@@ -33,6 +35,6 @@ from megatron_flash.trainer.patches import (
     packed_rope,
 )
 
-PATCHES = (packed_rope, explicit_positions, cpu, async_save, optimizer_load, moe_gemm, lora_linear)
+PATCHES = (packed_rope, explicit_positions, cp_attention, cpu, async_save, optimizer_load, moe_gemm, lora_linear)
 """Every patch module; each has `check()`."""
 CPU_ONLY = (cpu,)

@@ -25,8 +25,9 @@ The trainer's model (patches/explicit_positions.py) hands every packed row per-t
 gathered from the positions it was given explicitly (within each sample, or continuing from a shared
 prompt): the first case.
 
-Context parallelism (cp > 1) keeps Megatron's function (each rank holds two chunks per sample); the
-trainer refuses cp > 1 anyway. tests/unit/test_rope.py compares it with Megatron's on CPU.
+Under context parallelism the trainer's rows carry per-token frequencies too (each rank's tokens at
+their own positions: trainer/context_parallel.py); per-length frequencies under CP keep Megatron's
+function. tests/unit/test_rope.py compares this one with Megatron's on CPU.
 """
 
 from __future__ import annotations
@@ -78,12 +79,12 @@ def apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: t
         _MLA_KEYWORD = check_signatures()
     mla = bool(multi_latent_attention) if multi_latent_attention is not None else mla_rotary_interleaved
     flag = {_MLA_KEYWORD: mla}
-    if cp_group is not None and cp_group.size() > 1:
+    rows = t.shape[0]
+    if freqs.size(0) == rows:  # per-token frequencies (the trainer's, under context parallelism too)
+        packed = freqs
+    elif cp_group is not None and cp_group.size() > 1:
         return _ORIGINAL(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved, mscale=mscale,
                          cp_group=cp_group, **flag)
-    rows = t.shape[0]
-    if freqs.size(0) == rows:
-        packed = freqs
     else:
         cu = cu_seqlens.to(device=t.device, dtype=torch.long)
         starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=rows)

@@ -262,7 +262,7 @@ def _run_case(args: argparse.Namespace) -> None:
         losses.append(metrics["loss"])
     metrics["losses"] = losses
     # the tokens this rank's layers run on (under context parallelism: its share of every row)
-    tokens_computed = sum(int(m.tokens.shape[1]) for m in policy._micro_batches(batch))
+    tokens_computed = sum(int(m.tokens.numel()) for m in policy._micro_batches(batch))
     if args.record_dropout:
         torch.nn.functional.dropout = plain
         torch.save(recorded, os.path.join(args.out, f"dropout_rank{dist.get_rank()}.pt"))

@@ -15,16 +15,8 @@ import os
 
 import pytest
 
-from megatron_flash.ports import free_ports
 from tests.conftest import run_tool
-
-
-def small_run(model: str, run_dir: str, *extra: str) -> list[str]:
-    return ["launch/pretrain_async_rl.py", "--config", "configs/quickstart_cpu.yaml", f"model.hf_path={model}",
-            f"logging.dir={run_dir}", "trainer.total_steps=4", "trainer.global_batch_size=16",
-            "trainer.micro_batch_size=16", "rollout.n_samples_per_prompt=4", f"engines.base_port={free_ports(1)}",
-            "logging.wandb_mode=disabled", "logging.tensorboard=false", "loss.name=decoupled_ppo",
-            "rollout.reward=tests.e2e.toy_rewards:digit_fraction", *extra]
+from tests.e2e.test_async_pipeline import small_run
 
 
 def run(args: list[str], *, nproc: int = 1, timeout: int = 600):

@@ -5,6 +5,9 @@
                after step 2) into --out: the uninterrupted run.
 --mode resume: a fresh policy in this process's layout loads that checkpoint and takes the step on
                batch B; writes the same files. The test compares the two.
+--batches:     the seeds of the steps after the checkpoint (default "2": batch B); their losses go to
+               metrics.json "losses". --resave-dir: resume mode saves again after those steps, so a
+               later launch in yet another layout can resume from this one (a chain of layouts).
 --cases FILE:  several of the above in one launch, one after the other (grouped_cases.py).
 """
 
@@ -55,6 +58,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--distributed-optimizer", action="store_true")
     p.add_argument("--cp", type=int, default=1, help="context parallel size")
     p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (base frozen)")
+    p.add_argument("--batches", default="2", help="comma-separated seeds of the steps after the checkpoint")
+    p.add_argument("--resave-dir", default="", help="resume mode: save a checkpoint here after the steps")
     return p
 
 
@@ -66,7 +71,8 @@ def run_case(args: argparse.Namespace) -> None:
         lora=LoraOptions(rank=args.lora_rank), scale=ScaleOptions(context_parallel_size=args.cp),
     ))
     vocab = policy.spec.vocab_size
-    out: dict[str, float] = {}
+    out: dict = {}
+    seeds = [int(x) for x in args.batches.split(",")]
     if args.mode == "save":
         out["loss_a"] = policy.train_step(batch(vocab, 1), weighted_nll)["loss"]
         ckpt.save(policy, args.ckpt_dir, step=0, version=1, rollout_state={"probe": 1})
@@ -77,10 +83,13 @@ def run_case(args: argparse.Namespace) -> None:
         policy.export_hf(os.path.join(args.out, "export_before"))
     else:
         meta, rollout = ckpt.load(policy, ckpt.latest_checkpoint(args.ckpt_dir))
-        out["saved_tp"], out["saved_pp"] = meta["tp"], meta["pp"]
+        out["saved_tp"], out["saved_pp"], out["saved_cp"] = meta["tp"], meta["pp"], meta.get("cp", 1)
         out["rollout_probe"] = (rollout or {}).get("probe", -1) if dist.get_rank() == 0 else -1
     out["lr"] = policy.scheduler.get_lr(policy.optimizer.param_groups[0])
-    out["loss_b"] = policy.train_step(batch(vocab, 2), weighted_nll)["loss"]
+    out["losses"] = [policy.train_step(batch(vocab, seed), weighted_nll)["loss"] for seed in seeds]
+    out["loss_b"] = out["losses"][0]
+    if args.mode == "resume" and args.resave_dir:
+        ckpt.save(policy, args.resave_dir, step=len(seeds), version=1 + len(seeds), rollout_state={"probe": 2})
     policy.export_hf(os.path.join(args.out, "export_after"))
     if dist.get_rank() == 0:
         with open(os.path.join(args.out, "metrics.json"), "w") as f:

@@ -1,13 +1,15 @@
 """Run checkpoints are layout-independent (Megatron dist_checkpointing): a checkpoint saved by a TP1×PP1
 run resumes under TP2, PP2, DP2 (distributed optimizer) and CP2 (with and without it: the optimizer
-then shards over DP × CP), and the next Adam step equals the
-uninterrupted run's — loss and every exported weight within 1e-5 (fp32, gloo). Adam (lr 1e-2, warm-up
+then shards over DP × CP), and the next Adam step equals the uninterrupted run's — loss and every exported weight within 1e-5 (fp32, gloo). Adam (lr 1e-2, warm-up
 schedule) makes the comparison sensitive to the optimizer moments and the LR schedule, not only the
 weights: a resume that lost them would move the weights differently by ~lr.
 
 LoRA (rank 4, base frozen): the checkpoint holds only the adapters and their Adam state and names its
 base; it resumes under TP2, PP2 and DP2 alike, and the step after it moves A and B as the uninterrupted
 run does (fresh B = 0, so the first step moved only B: the resumed step is the first to move A).
+
+A chain across context-parallel sizes, CP2 → CP1 → CP4 (each saving where the next resumes), ends on the
+weights of the uninterrupted CP2 run, with and without the distributed optimizer.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def resumed(tiny_models, saved, tmp_path_factory) -> dict[str, str]:
         ckpt = os.path.join(saved[kind], "ckpt")
         cases[case] = (2, ["--hf-dir", tiny_models["llama"], "--mode", "resume", "--ckpt-dir", ckpt,
                            "--out", os.path.join(root, case), *extra])
+    cases.update(chain_cases(tiny_models, "cp2", chain_paths(root)))  # the same launch: 2 processes
     launch_grouped(WORKER, cases, root)
     return {case: os.path.join(root, case) for case in CASES}
 
@@ -120,3 +123,54 @@ def test_checkpoint_of_another_kind_or_base_is_refused(saved, seed1_model, tiny_
     assert len(lines) == 2, out
     assert "holds LoRA adapters; this run trains full weights" in lines[0]
     assert "is another model" in lines[1] and os.path.abspath(seed1_model) in lines[1]
+
+
+CHAIN_KINDS = {"plain": [], "distributed": ["--distributed-optimizer"]}
+# stage → (processes = CP size, mode, checkpoint it reads, seeds of its steps, the checkpoint it saves)
+CHAIN = {"cp2": (2, "save", "ckpt", "2,3", ""), "cp1": (1, "resume", "ckpt", "2", "ckpt_cp1"),
+         "cp4": (4, "resume", "ckpt_cp1", "3", "")}
+
+
+def chain_paths(root: str) -> dict[str, dict[str, str]]:
+    return {kind: {name: os.path.join(root, "cp_chain", kind, name) for name in ("ckpt", "ckpt_cp1", *CHAIN)}
+            for kind in CHAIN_KINDS}
+
+
+def chain_cases(tiny_models, stage: str, paths) -> dict[str, tuple[int, list[str]]]:
+    cp, mode, source, seeds, resave = CHAIN[stage]
+    return {f"chain_{kind}_{stage}": (cp, [
+        "--hf-dir", tiny_models["llama"], "--mode", mode, "--cp", str(cp), "--ckpt-dir", paths[kind][source],
+        "--out", paths[kind][stage], "--batches", seeds, *(["--resave-dir", paths[kind][resave]] if resave else []),
+        *flag]) for kind, flag in CHAIN_KINDS.items()}
+
+
+@pytest.fixture(scope="module")
+def cp_chain(tiny_models, resumed) -> dict[str, dict[str, str]]:
+    """CP2 → CP1 → CP4: an uninterrupted CP2 run (step A, checkpoint, steps B and C: saved in `resumed`'s
+    2-process launch); a CP1 run resumes its checkpoint, takes step B and saves; a CP4 run resumes that and
+    takes step C. With the distributed optimizer the Adam state is sharded over DP × CP: 2, then 1, then 4
+    shards."""
+    root = os.path.dirname(next(iter(resumed.values())))
+    paths = chain_paths(root)
+    for stage in ("cp1", "cp4"):  # one launch each: each needs the checkpoint of the one before
+        launch_grouped(WORKER, chain_cases(tiny_models, stage, paths), root)
+    return paths
+
+
+@pytest.mark.parametrize("kind", list(CHAIN_KINDS))
+def test_a_checkpoint_resumes_across_a_change_of_context_parallel_size(cp_chain, kind: str) -> None:
+    p = cp_chain[kind]
+    read = {}
+    for stage in ("cp2", "cp1", "cp4"):
+        with open(os.path.join(p[stage], "metrics.json")) as f:
+            read[stage] = json.load(f)
+    ref, cp1, cp4 = read["cp2"], read["cp1"], read["cp4"]
+    assert (cp1["saved_cp"], cp4["saved_cp"]) == (2, 1)  # each resumed a checkpoint of the other size
+    assert len(ref["losses"]) == 2 and ref["losses"][0] != ref["losses"][1]
+    assert abs(cp1["losses"][0] - ref["losses"][0]) <= 1e-5, (cp1, ref)  # step B at CP1
+    assert abs(cp4["losses"][0] - ref["losses"][1]) <= 1e-5, (cp4, ref)  # step C at CP4
+    before, after = (weights(os.path.join(p["cp2"], d)) for d in ("export_before", "export_after"))
+    chained = weights(os.path.join(p["cp4"], "export_after"))
+    assert chained.keys() == after.keys()
+    assert max((after[k] - before[k]).abs().max().item() for k in after) > 1e-3  # B and C moved the weights
+    assert max((chained[k] - after[k]).abs().max().item() for k in after) <= 1e-5

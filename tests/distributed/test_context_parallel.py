@@ -12,6 +12,8 @@ gradients) from the same checkpoint, and is compared with its CP1 reference:
   cp4             4    CP4 (sequences shorter than 2·CP)       fixed weighted NLL    cp1
   cp2_tp2sp       4    CP2 × TP2 with sequence parallel        fixed weighted NLL    cp1
   cp2_pp2         4    CP2 × PP2                               fixed weighted NLL    cp1
+  cp2_recompute   2    CP2, full activation recompute          fixed weighted NLL    cp1
+  cp2_vpp2        4    CP2 × PP2 × VPP2 (four-layer model)     fixed weighted NLL    four_cp1
   adam_cp1/_dp2   1/4  Adam (eps 1), CP2 × DP2, distributed    fixed weighted NLL    adam_cp1
                        optimizer sharded over DP × CP
   <loss>          1/2  CP1 / CP2                               every registered loss its CP1
@@ -44,6 +46,9 @@ CASES = {  # name: (processes, flags, reference)
     "cp4": (4, ["--cp", "4"], "cp1"),
     "cp2_tp2sp": (4, ["--cp", "2", "--tp", "2", "--sp"], "cp1"),
     "cp2_pp2": (4, ["--cp", "2", "--pp", "2"], "cp1"),
+    "cp2_recompute": (2, ["--cp", "2", "--recompute", "full"], "cp1"),
+    "four_cp1": (1, ["--hf-dir", "FOUR"], None),
+    "cp2_vpp2": (4, ["--hf-dir", "FOUR", "--cp", "2", "--pp", "2", "--vpp", "2"], "four_cp1"),
     "adam_cp1": (1, ADAM, None),
     "adam_cp2_dp2": (4, ADAM + ["--cp", "2", "--distributed-optimizer"], "adam_cp1"),
 }
@@ -61,8 +66,10 @@ PAIRS = [c for c, spec in CASES.items() if spec[2] is not None]
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_models, tmp_path_factory) -> dict[str, str]:
-    cases = {name: (nproc, ["--hf-dir", tiny_models["llama"], *BASE, *flags]) for name, (nproc, flags, _) in CASES.items()}
+def runs(tiny_models, four_layer_model, tmp_path_factory) -> dict[str, str]:
+    cases = {name: (nproc, ["--hf-dir", tiny_models["llama"], *BASE,  # a later --hf-dir wins: the four-layer cases
+                            *[four_layer_model if f == "FOUR" else f for f in flags]])
+             for name, (nproc, flags, _) in CASES.items()}
     return run_layout_cases(cases, str(tmp_path_factory.mktemp("context_parallel")))
 
 

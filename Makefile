@@ -25,13 +25,13 @@ quickstart: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) launch/quickstart_cpu.py
 
 # Two phases: two pytest workers, each taking whole files (a module's fixture is built once), then the
-# tests marked `serial` alone (they read /dev/shm, or were calibrated on an idle box). One worker left
+# tests marked `serial` alone (calibrated on an idle box: the soak, the learning guard). One worker left
 # a third of both cores idle (its subprocesses wait on each other, on HTTP, on startup), 2026-12-02.
 # Both phases always run; the recipe fails if either did.
 TEST_ARGS := tests -q --ignore=tests/compat --ignore=tests/cluster
 test: $(STAMP)
 	status=0; \
-	$(PY) -m pytest $(TEST_ARGS) -n 2 --dist loadfile -m "not serial" --durations=15 || status=$$?; \
+	$(PY) -m pytest $(TEST_ARGS) -n 2 --dist loadfile -m "not serial" --durations=40 || status=$$?; \
 	$(PY) -m pytest $(TEST_ARGS) -m serial --durations=5 || { s=$$?; [ $$status -ne 0 ] || status=$$s; }; \
 	exit $$status
 

@@ -127,17 +127,21 @@ class Quickstart:
         policy.export_hf(self.warm_path)
         return WarmUp(policy=policy, path=self.warm_path, losses=losses)
 
-    def rl(self, *, config: str, overrides: list[str], env: dict[str, str] | None = None) -> list[dict[str, Any]]:
-        """The product's entry point on {out}/warm_model as a subprocess; the rows of its metrics.jsonl."""
+    def rl(self, *, config: str, overrides: list[str], env: dict[str, str] | None = None,
+           nproc: int = 1) -> list[dict[str, Any]]:
+        """The product's entry point on {out}/warm_model as a subprocess (under torchrun with `nproc`
+        trainer processes when nproc > 1); the rows of its metrics.jsonl."""
         from megatron_flash.trainer.distributed import destroy_distributed
 
         destroy_distributed()  # the RL run is its own process (its own process group and engines)
         run_dir = os.path.dirname(self.metrics_path)
         if os.path.exists(self.metrics_path):
             os.remove(self.metrics_path)  # one run's curve, not an append of several
-        cmd = [sys.executable, os.path.join(REPO, "launch/pretrain_async_rl.py"), "--config", config,
+        launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                        "--nproc-per-node", str(nproc), "--standalone"]
+        cmd = [*launcher, os.path.join(REPO, "launch/pretrain_async_rl.py"), "--config", config,
                f"model.hf_path={self.warm_path}", f"logging.dir={run_dir}", *overrides]
-        self.log("RL: " + " ".join(cmd[1:]))
+        self.log("RL: " + " ".join(cmd[len(launcher):] if nproc == 1 else ["torchrun", *cmd[3:]]))
         inherited = {k: v for k, v in os.environ.items() if k not in _PROCESS_GROUP_ENV}
         proc = subprocess.run(cmd, env={**inherited, "OMP_NUM_THREADS": "1", **(env or {})})
         if proc.returncode != 0:

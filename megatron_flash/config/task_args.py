@@ -2,8 +2,9 @@
 `eval.datasets.<name>`), checked when the config loads, before torch or the dataset exist: a wrong value
 is one line naming its key, not a traceback after Megatron has started.
 
-Only arith takes settings; rewards/arith.py draws its questions from the `ArithSettings` made here, so
-the load-time check and the task cannot disagree.
+arith and sort4_long take settings; rewards/arith.py draws its questions from the `ArithSettings` made
+here, and rewards/synthetic.py reads sort4_long's through `response_tokens`, so the load-time check and
+the task cannot disagree.
 
     data.task_args        default     accepted
     digits                1           an integer in 1..6 (digits of each operand)
@@ -14,6 +15,9 @@ the load-time check and the task cannot disagree.
 On the command line `data.task_args.operations=-` is the text "-" (config/loader.py keeps a bare "-",
 which YAML would read as a list holding one null, and operator text YAML cannot parse, such as "*", as
 typed). In a YAML file quote it: `operations: "-"`.
+
+    sort4_long            default     accepted
+    response_tokens       2048        an integer >= 5 (the shortest rewarded response, answer included)
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-BUILTIN_TASKS = ("add2", "arith", "countdown", "reverse4", "sort4")
+BUILTIN_TASKS = ("add2", "arith", "countdown", "reverse4", "sort4", "sort4_long")
 """Every name data.task accepts (rewards/synthetic.py builds them; a unit test keeps the two equal)."""
-TASKS_WITH_ARGS = ("arith",)
+TASKS_WITH_ARGS = ("arith", "sort4_long")
 OPERATIONS = "+-*"
 
 
@@ -69,6 +73,18 @@ def _operations(value: Any, *, key: str) -> str:
     return value
 
 
+def response_tokens(args: Mapping[str, Any] | None, *, key: str = "data.task_args") -> int:
+    """sort4_long's one setting; ValueError naming `key`.<setting> otherwise."""
+    args = dict(args or {})
+    unknown = sorted(set(args) - {"response_tokens"})
+    if unknown:
+        raise ValueError(f"{key}.{unknown[0]} is not a sort4_long setting (known: response_tokens)")
+    length = args.get("response_tokens", 2048)
+    if isinstance(length, bool) or not isinstance(length, int) or length < 5:
+        raise ValueError(f"{key}.response_tokens must be an integer >= 5 (4 digits and more), got {length!r}")
+    return length
+
+
 def check_task(task: str, args: Mapping[str, Any] | None, *, key: str) -> dict[str, Any]:
     """Validate a built-in task's name and settings (`key` = the task_args key, e.g. data.task_args);
     returns the settings given, normalised (operations as one string)."""
@@ -78,9 +94,11 @@ def check_task(task: str, args: Mapping[str, Any] | None, *, key: str) -> dict[s
     if task not in TASKS_WITH_ARGS:
         if args:
             raise ValueError(f"{key} is set, but {task_key}={task!r} takes no settings "
-                             f"(only {', '.join(TASKS_WITH_ARGS)} does)")
+                             f"(only {' and '.join(TASKS_WITH_ARGS)} do)")
         return {}
     if args is not None and not isinstance(args, Mapping):
         raise ValueError(f"{key} must be a mapping of settings, got {args!r}")
+    if task == "sort4_long":
+        return {"response_tokens": response_tokens(args, key=key)} if args else {}
     spec = ArithSettings.parse(args, key=key)
     return {name: getattr(spec, name) for name in (args or {})}

@@ -8,6 +8,8 @@ A reward function scores one finished response::
 ``prompt`` is the source prompt text and ``meta`` the dataset row's other fields. Built-ins:
 
   exact_match  1.0 iff finished and the text equals the answer (synthetic tasks)
+  answer_first_long  1.0 iff the text starts with the answer and is ≥ meta["response_tokens"] characters
+               long, finished or not (data.task=sort4_long; a file's rows give response_tokens)
   math         1.0 iff finished and math-verify finds the response's final answer equal to the gold
                one ("\\boxed{1/2}" vs "0.5"); math_verify is imported on first use only
 
@@ -84,6 +86,18 @@ def exact_match(response_text: str, answer: str, *, finished: bool, prompt: str 
     from megatron_flash.rewards.synthetic import exact_match_reward
 
     return exact_match_reward(response_text, answer, finished=finished)
+
+
+@register_reward("answer_first_long")
+def answer_first_long(response_text: str, answer: str, *, finished: bool, prompt: str = "",
+                      meta: Optional[dict] = None) -> float:
+    from megatron_flash.rewards.synthetic import answer_first_long_reward
+
+    length = (meta or {}).get("response_tokens")
+    if not isinstance(length, int):
+        raise ValueError("reward 'answer_first_long' needs the row field response_tokens (data.task=sort4_long "
+                         f"sets it), got {length!r}")
+    return answer_first_long_reward(response_text, answer, response_tokens=length)
 
 
 MATH_TIMEOUT_S = 5

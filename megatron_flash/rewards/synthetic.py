@@ -9,6 +9,9 @@
                                          agent calls a tool, then answers "answer: 59")
   arith      "What is 7 + 5?"  "12"      questions for real instruct models, free-text replies scored
                                          by the `math` reward; settings in data.task_args (rewards/arith.py)
+  sort4_long "3142:"     "1234"          a long response: the answer first, and at least response_tokens
+                                         characters in all (data.task_args, default 2048); scored by the
+                                         `answer_first_long` reward (the warm-up continues in filler '|')
 
 Each task gives a prompt/answer pair from a `random.Random`, a *format-only* answer for supervised
 warm-up (right shape and length, wrong content: it teaches the format, not the task), and the
@@ -30,6 +33,8 @@ class SyntheticTask:
     name: str
     make: Callable[[random.Random], Pair]
     format_only: Callable[[random.Random, str], str]
+    meta: dict = dataclasses.field(default_factory=dict)
+    """Fields every row of the task carries (the reward reads them: sort4_long's response_tokens)."""
 
 
 def _sort4(rng: random.Random) -> Pair:
@@ -78,20 +83,45 @@ TASKS: dict[str, SyntheticTask] = {
 }
 
 
+LONG_FILLER = "|"
+LONG_SLACK = 32
+"""The format-only warm-up's responses are response_tokens + U[0, LONG_SLACK) characters long."""
+
+
+def _sort4_long(args: dict | None, key: str) -> SyntheticTask:
+    from megatron_flash.config.task_args import response_tokens
+
+    length = response_tokens(args, key=key)
+
+    def format_only(rng: random.Random, prompt: str) -> str:
+        answer = _permutation_of_input(rng, prompt)
+        return answer + LONG_FILLER * max(0, length - len(answer) + rng.randrange(LONG_SLACK))
+    return SyntheticTask("sort4_long", _sort4, format_only, meta={"response_tokens": length})
+
+
 def get_task(name: str, args: dict | None = None, *, key: str = "data.task_args") -> SyntheticTask:
-    """The task `name`; `args` (data.task_args) configure the ones that take settings (arith only)."""
+    """The task `name`; `args` (data.task_args) configure the ones that take settings (arith, sort4_long)."""
     if name == "arith":
         from megatron_flash.rewards.arith import ArithSpec
 
         spec = ArithSpec.from_args(args, key=key)
         return SyntheticTask("arith", spec.make, lambda rng, prompt: str(rng.randint(0, 99)))
+    if name == "sort4_long":
+        return _sort4_long(args, key)
     if name not in TASKS:
-        raise ValueError(f"unknown synthetic task {name!r}; known: {', '.join(sorted([*TASKS, 'arith']))}")
+        known = ", ".join(sorted([*TASKS, "arith", "sort4_long"]))
+        raise ValueError(f"unknown synthetic task {name!r}; known: {known}")
     if args:
-        raise ValueError(f"{key} is set, but data.task={name!r} takes no settings (only arith does)")
+        raise ValueError(f"{key} is set, but data.task={name!r} takes no settings (only arith and sort4_long do)")
     return TASKS[name]
 
 
 def exact_match_reward(response_text: str, answer: str, *, finished: bool) -> float:
     """1.0 iff the model ended its response (end token) and the text before it is the answer."""
     return 1.0 if finished and response_text == answer else 0.0
+
+
+def answer_first_long_reward(response_text: str, answer: str, *, response_tokens: int) -> float:
+    """1.0 iff the response starts with the answer and is at least `response_tokens` characters long,
+    finished or cut at max_new_tokens (what follows the answer is free)."""
+    return 1.0 if response_text.startswith(answer) and len(response_text) >= response_tokens else 0.0

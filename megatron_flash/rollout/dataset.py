@@ -213,7 +213,7 @@ def _make_synthetic(name: str, *, num_samples: int, seed: int, args: dict | None
     count = num_samples or DEFAULT_SYNTHETIC_SAMPLES
     pairs = [task.make(rng) for _ in range(count)]
     return _Rows(indices=list(range(count)), texts=[p for p, _ in pairs], answers=[a for _, a in pairs],
-                 metas=[{"task": name} for _ in range(count)])
+                 metas=[{"task": name, **task.meta} for _ in range(count)])
 
 
 def _tokenize(texts: list[str], tokenizer: Any, *, chat_template: bool) -> list[list[int]]:

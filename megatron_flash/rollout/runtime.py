@@ -32,7 +32,10 @@ logger = logging.getLogger(__name__)
 
 def sampling_params(rollout_cfg: Any) -> dict[str, Any]:
     """Engine sampling params from the rollout section (SGLang names)."""
-    return {"temperature": rollout_cfg.temperature, "top_p": rollout_cfg.top_p, "top_k": rollout_cfg.top_k}
+    params = {"temperature": rollout_cfg.temperature, "top_p": rollout_cfg.top_p, "top_k": rollout_cfg.top_k}
+    if rollout_cfg.min_new_tokens:
+        params["min_new_tokens"] = rollout_cfg.min_new_tokens
+    return params
 
 
 class GroupDump:

@@ -367,7 +367,11 @@ class RolloutScheduler:
                 f"(engines down?); last error: {error}")
 
     def _params(self, remaining: int) -> dict[str, Any]:
-        return {**self.settings.sampling_params, "max_new_tokens": remaining}
+        params = {**self.settings.sampling_params, "max_new_tokens": remaining}
+        if "min_new_tokens" in params:  # a resumed response counts the tokens it already has
+            done = self.settings.max_new_tokens - remaining
+            params["min_new_tokens"] = max(0, min(params["min_new_tokens"] - done, remaining))
+        return params
 
     async def _run_sample(self, prompt: Any, group_id: int, index: int, version: int) -> Optional[Sample]:
         """One response, resumed from its prefix when a push aborts it; rewarded the moment it ends."""

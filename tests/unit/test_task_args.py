@@ -19,7 +19,7 @@ from tests.unit.test_config import _heavy, _imported, _launch, _messages  # noqa
 def test_the_task_list_is_the_one_the_rewards_build() -> None:
     from megatron_flash.rewards.synthetic import TASKS, get_task
 
-    assert set(BUILTIN_TASKS) == set(TASKS) | {"arith"}
+    assert set(BUILTIN_TASKS) == set(TASKS) | {"arith", "sort4_long"}
     for name in BUILTIN_TASKS:
         assert get_task(name).name == name
 

@@ -26,6 +26,11 @@ class RolloutConfig(_Section):
     """Top-k sampling; -1 disables it."""
     max_new_tokens: int = 256
     """Longest response, in tokens."""
+    min_new_tokens: int = 0
+    """Shortest response: the engines do not end a response (EOS or stop tokens) before this many
+    tokens (SGLang's sampling param of the name). The logprobs they report, and the trainer's, are of
+    the unmasked policy, so a response forced past a likely end is slightly off-policy; keep it for
+    tasks that need long responses. Rollout only (evaluation samples freely). 0 = off."""
     prompt_replication: bool = True
     """Send each of a prompt's n responses as its own request (spread over engines) instead of one
     request with n samples."""
@@ -79,6 +84,9 @@ class RolloutConfig(_Section):
         self._require(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         self._require(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (disabled) or >= 1")
         self._at_least("max_new_tokens", 1)
+        self._at_least("min_new_tokens", 0)
+        self._require(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+                      f"must be <= max_new_tokens ({self.max_new_tokens})")
         self._at_least("extra_prompts", 0)
         self._at_least("replication_chunk", 1)
         self._require(self.replication_chunk <= self.n_samples_per_prompt, "replication_chunk",

@@ -12,8 +12,10 @@ tokens, and placed after a forced length its answer is cut off; its reward staye
 quickstart's (launch/quickstart_common.py):
 
   1. a tiny Llama (2 layers, hidden 64, char tokenizer, 4096 positions);
-  2. a format-only warm-up at CP1: a random permutation of the prompt's digits, then filler '|' up to
-     response_tokens + U[0, 32) characters, so the reward starts near chance (≈ 1/24);
+  2. a format-only warm-up at CP1: a random permutation of the prompt's digits, then filler '|', so the
+     reward starts near chance (≈ 1/24): `--sft-steps` steps of 64 short responses (4–60 filler
+     characters: the format), then `--sft-long-steps` steps of `--sft-batch` full ones (response_tokens
+     + U[0, 32) characters: the filler at every position up to 2k);
   3. asynchronous RL (launch/pretrain_async_rl.py under torchrun, `--cp` processes,
      parallel.context_parallel_size=`--cp`, α = 2, the local engine server) on configs/quickstart_cpu.yaml
      with the task's overrides below.
@@ -46,9 +48,37 @@ def overrides(length: int, cp: int, steps: int) -> list[str]:
             f"parallel.context_parallel_size={cp}"]
 
 
+def short_samples(task, tokenizer, rng: random.Random, size: int) -> list:
+    """The format on short responses: a permutation of the digits, then 4–60 filler characters."""
+    import dataclasses
+
+    out = []
+    for sample in format_only_samples(task, tokenizer, rng, size):
+        keep = 4 + rng.randrange(4, 60)
+        out.append(dataclasses.replace(sample, response_ids=sample.response_ids[:keep] + sample.response_ids[-1:],
+                                       behavior_logprobs=sample.behavior_logprobs[:keep + 1]))  # then the end token
+    return out
+
+
+def long_warm_up(run: Quickstart, policy, task, tokenizer, rng: random.Random, args) -> float:
+    """Continue the warm-up on full-length responses, then export over {out}/warm_model; the last nll."""
+    from megatron_flash.trainer.loss_adapter import nll_loss_fn
+    from megatron_flash.types import collate
+
+    loss = float("nan")
+    for step in range(1, args.sft_long_steps + 1):
+        batch = collate(format_only_samples(task, tokenizer, rng, args.sft_batch), pad_id=tokenizer.pad_token_id)
+        loss = policy.train_step(batch, nll_loss_fn)["loss"]
+        if step % 10 == 0 or step == 1:
+            run.log(f"warm-up (full length) step {step:3d}/{args.sft_long_steps}  nll/token {loss:.3f}")
+    policy.export_hf(run.warm_path)
+    return loss
+
+
 def main() -> int:
-    p = arg_parser(__doc__, out="runs/long_response", sft_steps=100)
-    p.add_argument("--sft-batch", type=int, default=4, help="warm-up rows per step (~3 s each at 2k tokens)")
+    p = arg_parser(__doc__, out="runs/long_response", sft_steps=300)
+    p.add_argument("--sft-long-steps", type=int, default=40, help="warm-up steps on full-length responses")
+    p.add_argument("--sft-batch", type=int, default=4, help="full-length rows per step (~3 s each at 2k tokens)")
     p.add_argument("--response-tokens", type=int, default=2048)
     p.add_argument("--cp", type=int, default=2, help="context-parallel size = trainer processes")
     p.add_argument("--steps", type=int, default=20, help="RL steps")
@@ -65,9 +95,11 @@ def main() -> int:
     if args.keep_warm and os.path.isfile(os.path.join(run.warm_path, "config.json")):
         run.log(f"warm model kept: {run.warm_path}")
     else:
-        nll = run.warm_up(seed=args.seed, num_steps=args.sft_steps, batch_size=args.sft_batch,
-                          make_samples=lambda: format_only_samples(task, tokenizer, rng, args.sft_batch),
-                          pad_id=tokenizer.pad_token_id, loss_label="nll/token", log_every=25).nll()
+        warm = run.warm_up(seed=args.seed, num_steps=args.sft_steps, batch_size=64,
+                           make_samples=lambda: short_samples(task, tokenizer, rng, 64),
+                           pad_id=tokenizer.pad_token_id, loss_label="nll/token (short)", log_every=50)
+        nll = warm.nll()
+        nll["sft_long_nll_last"] = long_warm_up(run, warm.policy, task, tokenizer, rng, args)
     rows = run.rl(config=os.path.join(REPO, "configs/quickstart_cpu.yaml"), nproc=args.cp,
                   overrides=[*overrides(args.response_tokens, args.cp, args.steps), *args.overrides])
     rewards = [r["reward_mean"] for r in rows]

@@ -25,7 +25,7 @@ quickstart: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) launch/quickstart_cpu.py
 
 # Two phases: two pytest workers, each taking whole files (a module's fixture is built once), then the
-# tests marked `serial` alone (calibrated on an idle box: the soak, the learning guard). One worker left
+# tests marked `serial` alone (they read /dev/shm, or were calibrated on an idle box). One worker left
 # a third of both cores idle (its subprocesses wait on each other, on HTTP, on startup), 2026-12-02.
 # Both phases always run; the recipe fails if either did.
 TEST_ARGS := tests -q --ignore=tests/compat --ignore=tests/cluster

@@ -6,26 +6,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
-
-
-def shm_left_behind(before: set[str], *, settle_s: float = 30.0) -> set[str]:
-    """The names in /dev/shm now that were not in `before` and are still there `settle_s` later: what the
-    calling test left behind. The other pytest worker's trainer and engine pass torch tensors through
-    /dev/shm files that no process holds while in flight, for a moment each; a name that stays is a leak
-    whoever made it. Names that appear after the first look are not the caller's (its processes are done)."""
-    extra = set(os.listdir("/dev/shm")) - before
-    deadline = time.monotonic() + settle_s
-    while extra and time.monotonic() < deadline:
-        time.sleep(0.5)
-        extra &= set(os.listdir("/dev/shm"))
-    return extra
 
 
 def run_tool(args: list[str], *, nproc: int = 1, timeout: float = 300, check: bool = True,

@@ -28,9 +28,11 @@ class RolloutConfig(_Section):
     """Longest response, in tokens."""
     min_new_tokens: int = 0
     """Shortest response: the engines do not end a response (EOS or stop tokens) before this many
-    tokens (SGLang's sampling param of the name). The logprobs they report, and the trainer's, are of
-    the unmasked policy, so a response forced past a likely end is slightly off-policy; keep it for
-    tasks that need long responses. Rollout only (evaluation samples freely). 0 = off."""
+    tokens (SGLang's sampling param of the name). The local engine reports the logprobs of what it
+    sampled from, stop tokens masked (the behaviour μ), while the trainer scores the unmasked policy:
+    each forced token's importance ratio carries 1 − p(stop), and the mismatch metrics rise by about
+    p(stop). Keep it for tasks that need long responses. Rollout only (evaluation samples freely).
+    0 = off."""
     prompt_replication: bool = True
     """Send each of a prompt's n responses as its own request (spread over engines) instead of one
     request with n samples."""

@@ -26,6 +26,7 @@ seconds per RL step, the tokens each CP rank computed per step, and the updates 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import sys
@@ -50,8 +51,6 @@ def overrides(length: int, cp: int, steps: int) -> list[str]:
 
 def short_samples(task, tokenizer, rng: random.Random, size: int) -> list:
     """The format on short responses: a permutation of the digits, then 4–60 filler characters."""
-    import dataclasses
-
     out = []
     for sample in format_only_samples(task, tokenizer, rng, size):
         keep = 4 + rng.randrange(4, 60)

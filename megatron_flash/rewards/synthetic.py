@@ -25,6 +25,8 @@ import random
 import string
 from typing import Callable
 
+from megatron_flash.config.task_args import response_tokens
+
 Pair = tuple[str, str]
 
 
@@ -89,8 +91,6 @@ LONG_SLACK = 32
 
 
 def _sort4_long(args: dict | None, key: str) -> SyntheticTask:
-    from megatron_flash.config.task_args import response_tokens
-
     length = response_tokens(args, key=key)
 
     def format_only(rng: random.Random, prompt: str) -> str:

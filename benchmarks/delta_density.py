@@ -20,6 +20,11 @@ with its bf16 cast from before the step. One JSON line per (lr, step):
                  all tensors' streams zlib level 1 as one, + changed · 2 bytes of values
   bytes_bitmask  a bitmask of changed positions (total / 8) + changed · 2 bytes of values
   encode_s       seconds to build the zlib stream; loss, step_s: the training step
+  wire_bytes     what the product's encoder (weight_sync/delta.py, as the bridge runs it: the HF tensors
+                 in 512 MiB buckets, delta mode against the kept bf16 copy) puts on the wire: positions or
+                 bitmask, values, whole dense tensors, per-tensor checksums
+  wire_bytes_full  the same HF tensors whole in bf16 (HF names: no vocabulary padding, tied weights once)
+  wire_encode_s  its time: cast, compare, gather, update the copy, checksums (one thread)
 
 First a setup line (the optimizer config used, the optimizer's class, whether it steps the model's
 own parameters), then per lr one summary line: density mean/min/max over the steps, the mean ratios
@@ -49,6 +54,8 @@ from megatron_flash.config.schema import OptimizerConfig  # noqa: E402
 from megatron_flash.trainer.distributed import destroy_distributed  # noqa: E402
 from megatron_flash.trainer.policy import MegatronPolicy, PolicySettings  # noqa: E402
 from megatron_flash.types import TrainBatch  # noqa: E402
+from megatron_flash.weight_sync.delta import DeltaEncoder  # noqa: E402
+from megatron_flash.weight_sync.plan import hf_buckets  # noqa: E402
 
 
 def weighted_nll(mb: TrainBatch, logprobs: torch.Tensor, entropy: object):
@@ -83,6 +90,16 @@ def zlib_positions(masks: list[torch.Tensor]) -> int:
     return len(zlib.compress(b"".join(chunks), 1))
 
 
+def push(policy: MegatronPolicy, encoder: DeltaEncoder, mode: str, version: int) -> tuple[int, float, int]:
+    """The product's encoding of one push (as the bridge's sender runs it): wire bytes, seconds, whole bytes."""
+    encoder.start_pass()
+    wire = 0
+    for bucket in hf_buckets(policy, bucket_bytes=512 * 2**20, copy=False):
+        wire += sum(t.numel() * t.element_size() for _, t in encoder.encode(bucket, mode, base=encoder.base_version))
+    encoder.commit(version)
+    return wire, encoder.stats.seconds, encoder.stats.bytes_full
+
+
 def run_lr(args: argparse.Namespace, lr: float) -> dict:
     opt = OptimizerConfig(name="adam", lr=lr, clip_grad=1.0, lr_warmup_steps=0, lr_decay_style="constant")
     policy = MegatronPolicy(PolicySettings(hf_path=args.hf_dir, micro_batch_size=args.batch,
@@ -97,6 +114,9 @@ def run_lr(args: argparse.Namespace, lr: float) -> dict:
                       "steps_model_params": all(id(p) in stepped for p in params),
                       "tensors": len(params), "total": total, "batch": [args.batch, args.seq_len]}), flush=True)
     kept = bf16_bits(params)
+    encoder = DeltaEncoder(torch.bfloat16)
+
+    push(policy, encoder, "full", 0)  # the first push: the kept copy
     rows, dense_names = [], set()
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
@@ -109,6 +129,7 @@ def run_lr(args: argparse.Namespace, lr: float) -> dict:
         t0 = time.perf_counter()
         zbytes = zlib_positions(masks)
         encode_s = time.perf_counter() - t0
+        wire, wire_s, wire_full = push(policy, encoder, "delta", step)
         kept = new
         changed = sum(counts)
         dense_names.update(n for (n, _), c, m in zip(named, counts, masks) if c > 0.5 * m.numel())
@@ -117,10 +138,12 @@ def run_lr(args: argparse.Namespace, lr: float) -> dict:
                "changed": changed, "total": total, "compare_s": round(compare_s, 4),
                "bytes_full": 2 * total, "bytes_pos_val": 6 * changed, "bytes_zlib": zbytes + 2 * changed,
                "bytes_bitmask": (total + 7) // 8 + 2 * changed, "encode_s": round(encode_s, 4),
+               "wire_bytes": wire, "wire_bytes_full": wire_full, "wire_encode_s": round(wire_s, 4),
                "loss": metrics["loss"], "step_s": round(step_s, 3)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    del policy, named, params, kept, new, masks
+    copy_gb = encoder.copy_bytes() / 1e9
+    del policy, named, params, kept, new, masks, encoder
     gc.collect()
     full = rows[0]["bytes_full"]
     dens = [r["density"] for r in rows]
@@ -136,7 +159,11 @@ def run_lr(args: argparse.Namespace, lr: float) -> dict:
             "compare_s_per_gb": sum(r["compare_s"] for r in rows) / len(rows) / (full / 1e9),
             "compare_s_median": sorted(r["compare_s"] for r in rows)[len(rows) // 2],
             "encode_s_mean": sum(r["encode_s"] for r in rows) / len(rows),
-            "kept_copy_gb": full / 1e9, "step_s_mean": sum(r["step_s"] for r in rows) / len(rows),
+            "kept_copy_gb": full / 1e9, "encoder_copy_gb": copy_gb,
+            "ratio_wire_mean": sum(r["wire_bytes"] / r["wire_bytes_full"] for r in rows) / len(rows),
+            "wire_encode_s_per_gb": sum(r["wire_encode_s"] for r in rows) / len(rows) / (rows[0]["wire_bytes_full"] / 1e9),
+            "wire_encode_share_of_step": sum(r["wire_encode_s"] for r in rows) / sum(r["step_s"] for r in rows),
+            "step_s_mean": sum(r["step_s"] for r in rows) / len(rows),
             "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
             "dense_tensor_names": sorted(dense_names)}
 

@@ -83,6 +83,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a("--mfu", type=float, default=0.4)
     a("--max-running", type=int, default=256)
     a("--sync-overhead-s", type=float, default=1.0)
+    a("--delta-density", type=float, default=0.0,
+      help="weight_sync.delta: share of engine-dtype values that change per push (docs/benchmarks.md: 0.006-0.02 "
+           "at lr 1e-6-1e-5); 0 = whole pushes")
+    a("--delta-anchor-every", type=int, default=20, help="weight_sync.delta_anchor_every")
     a("--measured", default="", help="metrics.jsonl of an α = 0 run whose times override the model")
     a("--measured-train-gpus", type=int, default=0)
     a("--steps", type=int, default=30)
@@ -136,7 +140,8 @@ def build(args: argparse.Namespace):
     costs = planner.Costs.from_models(model=model, gpu=gpu, engine_tp=args.engine_tp,
                                       mean_ctx=args.prompt_len + mean_len / 2, max_ctx=args.prompt_len + args.max_len,
                                       mfu=args.mfu, max_running=args.max_running,
-                                      sync_overhead_s=args.sync_overhead_s, prompt_len=args.prompt_len)
+                                      sync_overhead_s=args.sync_overhead_s, prompt_len=args.prompt_len,
+                                      delta_density=args.delta_density, anchor_every=args.delta_anchor_every)
     if args.decode_points:
         try:
             points = [(int(k), float(v)) for k, v in (x.split(":") for x in args.decode_points.split(","))]

@@ -101,6 +101,17 @@ class RunConfig:
         """Section name → section object, in declaration order."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def delta_sync(self) -> str:
+        """What the bridge does with weight_sync.delta: on (every engine must take deltas), auto (the
+        engines that take them; whole pushes to the others) or off. auto is off over ipc (same node),
+        with colocated engines and with adapter pushes."""
+        ws = self.weight_sync
+        if ws.delta == "off" or self.engines.colocate or self.lora_sync_mode() == "adapter":
+            return "off"
+        if ws.delta == "auto" and ws.transport == "ipc":
+            return "off"
+        return ws.delta
+
     def lora_sync_mode(self) -> str:
         """What a push sends with model.lora on: weight_sync.lora with auto resolved ("" without LoRA)."""
         if not self.model.lora.rank:
@@ -212,6 +223,17 @@ class RunConfig:
             raise ValueError("weight_sync.lora=adapter with weight_sync.transport=broadcast: engines take adapters "
                              "through their LoRA API (tensors in shared memory, or a PEFT folder on disk), not over "
                              "a process group; use weight_sync.transport=ipc or disk, or weight_sync.lora=merged")
+        if self.weight_sync.delta == "on" and self.engines.colocate:
+            raise ValueError("weight_sync.delta=on with engines.colocate=true: colocated engines release their "
+                             "weights' memory while the trainer steps and lose the values a delta applies to; "
+                             "use weight_sync.delta=off")
+        if self.weight_sync.delta == "on" and self.lora_sync_mode() == "adapter":
+            raise ValueError("weight_sync.delta=on with weight_sync.lora=adapter: adapter pushes carry only the "
+                             "adapters (already small) through the engines' LoRA API; use weight_sync.lora=merged "
+                             "for deltas of the merged weights, or weight_sync.delta=off")
+        if self.weight_sync.delta == "on" and self.engines.backend == "sglang":
+            raise ValueError("weight_sync.delta=on with engines.backend=sglang: SGLang does not apply deltas yet "
+                             "(weight_sync.delta=auto sends them whole)")
         if self.engines.colocate and self.async_rl.alpha != 0:
             raise ValueError(
                 f"async_rl.alpha must be 0 with engines.colocate=true (colocated engines sleep while the "

@@ -23,6 +23,19 @@ if TYPE_CHECKING:
     from megatron_flash.weight_sync.bridge import WeightBridge
 
 
+def sync_metrics(report: Any) -> dict[str, float]:
+    """A push's `sync/*` metrics (weight_sync.delta: docs/weight_sync.md "Delta pushes")."""
+    out = {"sync/bytes": float(report.bytes_sent), "sync/bytes_full": float(report.bytes_full),
+           "sync/seconds": float(report.seconds), "sync/anchor": float(report.anchor),
+           "sync/checksum_failures": float(report.checksum_failures), "sync/delta_refused": float(report.delta_refused),
+           "sync/encode_seconds": float(report.encode_seconds)}
+    if report.delta_density is not None:
+        out["sync/delta_density"] = float(report.delta_density)
+    if report.delta_copy_bytes:
+        out["sync/delta_copy_bytes"] = float(report.delta_copy_bytes)
+    return out
+
+
 class EngineHandoff:
     def __init__(self, bridge: Optional["WeightBridge"], runtime: Optional["RolloutRuntime"], *, rank: int,
                  broadcast: Callable[[Any], Any]) -> None:
@@ -56,6 +69,7 @@ class EngineHandoff:
             self._readmit(self.broadcast(restarted), out)
             report = self._sync(new_version, out)
             out["sync_gb"] = report.bytes_sent / 1e9
+            out.update(sync_metrics(report))
             out["engines_out_of_service"] = len(self.bridge.failed)
             out["engines_resynced"] = len(report.resynced_urls)
             if report.mean_abs_logprob_diff is not None:  # the post-sync probe, engine vs trainer

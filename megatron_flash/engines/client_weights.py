@@ -133,9 +133,14 @@ class WeightUpdateCalls(EngineTransport):
                                   needs_session=False)
 
     async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False,
+                                    verify_tensors: Optional[int] = None,
                                     timeout_s: Optional[float] = None) -> Dict[str, Any]:
-        """Set the version label the engine reports (meta_info.weight_version) without loading weights."""
-        body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        """Set the version label the engine reports (meta_info.weight_version) without loading weights.
+        `verify_tensors` (the local engine; engines/weight_delta.py): the push that ends here carried
+        checksums for that many tensors, which the engine verifies before it takes the version."""
+        body: Dict[str, Any] = {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        if verify_tensors is not None:
+            body["verify_tensors"] = verify_tensors
         return await self._update("/update_weight_version", body, timeout_s, needs_session=False)
 
     async def update_weights_from_distributed(self, *, names: Sequence[str], dtypes: Sequence[str],
@@ -155,10 +160,14 @@ class WeightUpdateCalls(EngineTransport):
 
     async def update_weights_from_disk(self, model_path: str, *, load_format: Optional[str] = None,
                                        weight_version: Optional[str] = None, flush_cache: bool = True,
+                                       verify_tensors: Optional[int] = None,
                                        timeout_s: Optional[float] = None) -> Dict[str, Any]:
-        """Reload from a checkpoint directory (no session needed: SGLang wraps it itself)."""
-        body = {"model_path": model_path, "load_format": load_format, "weight_version": weight_version,
-                "flush_cache": flush_cache}
+        """Reload from a checkpoint directory (no session needed: SGLang wraps it itself); with
+        `verify_tensors` a folder of encoded buckets (engines/weight_delta.py), checksums verified."""
+        body: Dict[str, Any] = {"model_path": model_path, "load_format": load_format,
+                                "weight_version": weight_version, "flush_cache": flush_cache}
+        if verify_tensors is not None:
+            body["verify_tensors"] = verify_tensors
         return await self._update("/update_weights_from_disk", body, timeout_s, needs_session=False)
 
     # -- LoRA adapters (SGLang's dynamic LoRA API; it needs --enable-lora) ----------------------

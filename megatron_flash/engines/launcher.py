@@ -93,6 +93,8 @@ def engine_server_args(config: Any, *, backend: str, return_routed_experts: bool
     """The flags an engine server of `backend` gets for this run: `config.server_args` (an EngineConfig's)
     plus what the run needs of it (EngineLauncher.from_config says which)."""
     server_args = dict(config.server_args)
+    if getattr(config, "dtype", ""):
+        server_args["dtype"] = config.dtype  # validated: server_args holds no dtype of its own then
     if lora_adapters:
         server_args.setdefault("enable-lora", True)
         if backend == "sglang":

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from megatron_flash.engines import shared_weights, weight_payloads
+from megatron_flash.engines.weight_delta import DeltaReceiver, is_delta_part
 from megatron_flash.engines.cuda_handles import forget_mappings
 from megatron_flash.engines.process_group import new_weight_update_group
 
@@ -217,7 +218,42 @@ class EngineUpdates:
         if self._session_open:
             return False, "a weight-update session is already open; call end_weight_update() first"
         self._session_open = True
+        self.delta_receiver().reset()
+        self._delta_staging = {}
         return True, "Success"
+
+    # ------------------------------------------------------------------ delta pushes (engines/weight_delta.py)
+    def delta_receiver(self) -> DeltaReceiver:
+        receiver = getattr(self, "_delta", None)
+        if receiver is None:
+            params = self.model.state_dict(keep_vars=True)
+            receiver = self._delta = DeltaReceiver(lambda name: checkpoint_param(params, name),
+                                                   lambda: self.weight_version)
+            self._delta_staging: dict[str, list] = {}
+            self.delta_counts = {"applied": 0, "changed": 0, "verified": 0, "failed": 0}
+        return receiver
+
+    def finish_delta(self, verify_tensors: int | None) -> str:
+        """The final call of a push: '' when its checksums verify (or it carried none and none was
+        asked for), else why the version must not be taken. Counted in /get_server_info."""
+        receiver = self.delta_receiver()
+        staged = list(self._delta_staging)
+        self._delta_staging = {}
+        if verify_tensors is None:
+            if receiver.seen:
+                receiver.reset()
+                return "this push carried delta parts but the final call asks for no verification (verify_tensors)"
+            return ""
+        applied, changed = receiver.applied, receiver.changed
+        problem = receiver.finish(int(verify_tensors))
+        if staged:
+            problem = "; ".join(p for p in (problem, f"{len(staged)} delta part(s) arrived in part only") if p)
+        self.delta_counts["applied"] += applied
+        self.delta_counts["changed"] += changed
+        self.delta_counts["verified" if not problem else "failed"] += 1
+        if problem:
+            logger.warning("weight update refused: %s", problem)
+        return problem
 
     def end_session(self) -> tuple[bool, str]:
         if not self._session_open:
@@ -230,10 +266,13 @@ class EngineUpdates:
             raise ValueError(f"{endpoint} must run between begin_weight_update() and end_weight_update()")
 
     def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the served model in place (all names and shapes checked first)."""
+        """Copy HF-named tensors into the served model in place (all names and shapes checked first);
+        delta parts (engines/weight_delta.py) go to the push's receiver, which applies them."""
         if "weights" in self._released:
             raise ValueError("the weights are released (release_memory_occupation): "
                              "resume_memory_occupation(tags=['weights']) before updating them")
+        if any(is_delta_part(n) for n, _ in named):
+            named = self.delta_receiver().take(named)
         params = self.model.state_dict(keep_vars=True)  # includes tied aliases such as lm_head.weight
         targets = []
         for name, tensor in named:
@@ -251,11 +290,20 @@ class EngineUpdates:
         for device in {t.device for _, t in named if t.is_cuda} | {t.device for t in targets if t.is_cuda}:
             torch.cuda.synchronize(device)
 
-    def load_from_disk(self, model_path: str, load_format: str | None) -> str:
+    def load_from_disk(self, model_path: str, load_format: str | None, verify_tensors: int | None = None) -> str:
+        """A checkpoint directory; with `verify_tensors` a folder of encoded buckets (weight_sync/transports/
+        disk.py), verified before the call succeeds (it then carries the version)."""
+        if verify_tensors is None:
+            self.load_named_tensors(weight_payloads.read_disk_weights(model_path, load_format))
+            self.model_path = model_path
+            self.load_format = load_format or "auto"
+            return "Succeeded to update model weights."
+        self.delta_receiver().reset()
         self.load_named_tensors(weight_payloads.read_disk_weights(model_path, load_format))
-        self.model_path = model_path
-        self.load_format = load_format or "auto"
-        return "Succeeded to update model weights."
+        problem = self.finish_delta(verify_tensors)
+        if problem:
+            raise ValueError(problem)
+        return f"Succeeded to update model weights ({verify_tensors} tensors verified)."
 
     def load_from_shared_memory(self, body: dict) -> str:
         """The bridge's staged ipc: pieces of tensors in a mapped shared buffer (engines/shared_weights.py)."""
@@ -264,9 +312,30 @@ class EngineUpdates:
                              "resume_memory_occupation(tags=['weights']) before updating them")
         pieces = self._shared_buffers.pieces(body)
         params = self.model.state_dict(keep_vars=True)
+        parts = [p for p in pieces if is_delta_part(p.name)]
+        if parts:
+            pieces = [p for p in pieces if not is_delta_part(p.name)]
+            self._stage_delta_parts(parts)
         shared_weights.copy_pieces(pieces, lambda name: checkpoint_param(params, name))
         self.forget_base()
         return "Success"
+
+    def _stage_delta_parts(self, parts: list) -> None:
+        """Delta parts arrive in pieces like any tensor: gathered here until whole, then applied."""
+        receiver = self.delta_receiver()
+        complete = []
+        for piece in parts:
+            entry = self._delta_staging.get(piece.name)
+            if entry is None:
+                entry = self._delta_staging[piece.name] = [torch.empty(piece.shape, dtype=piece.dtype), 0]
+            buffer = entry[0]
+            buffer.view(-1)[piece.start:piece.start + piece.source.numel()].copy_(piece.source)
+            entry[1] += piece.source.numel()
+            if entry[1] == buffer.numel():
+                del self._delta_staging[piece.name]
+                complete.append((piece.name, buffer))
+        if complete:
+            receiver.take(complete)
 
     def load_from_tensor_payload(self, payload: bytes, load_format: str | None) -> str:
         self.load_named_tensors(weight_payloads.read_tensor_payload(payload, load_format))

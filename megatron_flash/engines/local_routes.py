@@ -84,6 +84,8 @@ async def server_info(request: Request) -> dict:
             "memory_released": sorted(engine._released), "memory_releases": engine.num_releases,
             "num_live_requests": len(engine._live),
             "weight_update_shared_memory": True,  # /update_weights_from_shared_memory (staged ipc)
+            "weight_update_delta": True,  # delta pushes with checksums (engines/weight_delta.py)
+            "weight_update_delta_counts": dict(getattr(engine, "delta_counts", {})),
             "enable_lora": engine.lora_enabled, "loaded_adapters": engine.loaded_adapters(),
             "device": str(engine.device), "device_uuid": engine.device_uuid,
             "dtype": str(engine.dtype).removeprefix("torch."),
@@ -171,6 +173,12 @@ async def get_weight_version(request: Request) -> dict:
 @router.post("/update_weight_version")
 async def update_weight_version(request: Request) -> Any:
     engine, body = engine_of(request), await body_of(request, "new_version")
+    verify = body.get("verify_tensors")
+    if verify is not None and (isinstance(verify, bool) or not isinstance(verify, int) or verify < 0):
+        return bad_request(f"verify_tensors must be an integer >= 0, got {verify!r}")
+    problem = engine.finish_delta(verify)  # a delta push's checksums (engines/weight_delta.py)
+    if problem:
+        return outcome(False, f"weight version not updated: {problem}")
     if body.get("abort_all_requests", True):
         engine.abort(abort_all=True)
     engine._set_version(str(body["new_version"]))
@@ -188,9 +196,33 @@ async def weight_update(engine: Any, body: dict, load: Any) -> tuple[bool, str]:
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(request: Request) -> Any:
     engine, body = engine_of(request), await body_of(request, "model_path")
-    path, load_format = str(body["model_path"]), body.get("load_format")
-    success, message = await weight_update(engine, body, lambda: engine.load_from_disk(path, load_format))
+    path, load_format, verify = str(body["model_path"]), body.get("load_format"), body.get("verify_tensors")
+    if verify is not None and (isinstance(verify, bool) or not isinstance(verify, int) or verify < 0):
+        return bad_request(f"verify_tensors must be an integer >= 0, got {verify!r}")
+    success, message = await weight_update(engine, body, lambda: engine.load_from_disk(path, load_format, verify))
     return outcome(success, message, num_paused_requests=0)
+
+
+@router.api_route("/get_weights_by_name", methods=["GET", "POST"])
+async def get_weights_by_name(request: Request) -> Any:
+    """SGLang's: the first `truncate_size` values (flattened here) of a served tensor by HF name; with
+    `checksum: true` also engines/weight_delta.checksum of its bytes (not in SGLang)."""
+    from megatron_flash.engines.local_engine_updates import checkpoint_param
+    from megatron_flash.engines.weight_delta import checksum
+
+    engine, body = engine_of(request), await body_of(request, "name")
+    tensor = checkpoint_param(engine.model.state_dict(keep_vars=True), str(body["name"]))
+    if tensor is None:
+        return value_error(ValueError(f"unknown parameter {body['name']!r}"))
+    size = body.get("truncate_size", 100)
+    engine._ensure_loop_state()
+    async with engine._update_lock:
+        flat = tensor.detach().reshape(-1)[:size].float().cpu().tolist()
+        out: dict = {"name": body["name"], "shape": list(tensor.shape), "values": flat,
+                     "dtype": str(tensor.dtype).removeprefix("torch.")}
+        if body.get("checksum"):
+            out["checksum"] = checksum(tensor).cpu().tolist()
+    return out
 
 
 @router.post("/begin_weight_update")

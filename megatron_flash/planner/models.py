@@ -8,7 +8,11 @@ Stage models (per engine of `engine_tp` GPUs, per trainer of `train_gpus` GPUs):
         → tokens/s = k / step grows with k until the FLOP term or the KV memory cap bites
     prefill of P tokens           = 2 · N · P / (peak · tp · prefill_mfu)      compute-bound
     train step on T tokens        = flops_factor(6) · N · T / (G_train · peak · mfu)
-    weight sync                   = 2 · N bytes / link BW + fixed overhead
+    weight sync                   = push bytes / link BW + fixed overhead
+        push bytes (whole)        = 2 · N
+        push bytes (delta, density d, an anchor every A pushes)
+                                  = (2·N + (A − 1) · N · (2·d + min(4·d, 1/8))) / A
+        (values changed at 2 bytes each, their positions as int32 or a bitmask: weight_sync/delta.py)
 """
 
 from __future__ import annotations
@@ -42,6 +46,19 @@ class ModelSpec:
 
     def weight_bytes(self) -> float:
         return self.num_params * self.bytes_per_param
+
+    def push_bytes(self, delta_density: float = 0.0, anchor_every: int = 20) -> float:
+        """Bytes of one push averaged over the anchor cycle; density 0 = whole pushes (no delta)."""
+        full = self.weight_bytes()
+        if delta_density <= 0:
+            return full
+        if not 0 < delta_density <= 1:
+            raise ValueError(f"delta density must be in (0, 1], got {delta_density!r}")
+        delta = self.num_params * (self.bytes_per_param * delta_density + min(4.0 * delta_density, 1.0 / 8))
+        delta = min(delta, full)
+        if anchor_every <= 0:
+            return delta
+        return (full + (anchor_every - 1) * delta) / anchor_every
 
 
 @dataclasses.dataclass
@@ -122,7 +139,8 @@ class Costs:
     def from_models(cls, *, model: ModelSpec, gpu: GPUSpec, engine_tp: int, mean_ctx: float, max_ctx: float,
                     mfu: float = 0.4, prefill_mfu: float = 0.5, decode_mfu: float = 0.5, hbm_eff: float = 0.8,
                     max_running: int = 256, flops_factor: float = 6.0, sync_overhead_s: float = 1.0,
-                    prompt_len: int = 512, decode_scale: float = 1.0) -> "Costs":
+                    prompt_len: int = 512, decode_scale: float = 1.0, delta_density: float = 0.0,
+                    anchor_every: int = 20) -> "Costs":
         n, tp = model.num_params, engine_tp
         kv = model.kv_bytes_per_token()
         free = gpu.mem_gb * 1e9 * tp * 0.9 - model.weight_bytes()
@@ -140,7 +158,7 @@ class Costs:
             return flops_factor * n * tokens / (train_gpus * gpu.flops * mfu)
 
         prefill = 2.0 * n * prompt_len / (tp * gpu.flops * prefill_mfu)
-        sync = model.weight_bytes() / (gpu.link_gbs * 1e9) + sync_overhead_s
+        sync = model.push_bytes(delta_density, anchor_every) / (gpu.link_gbs * 1e9) + sync_overhead_s
         return cls(decode_step=decode_step, engine_cap=cap, prefill_s=prefill, train_s=train_s, sync_s=sync)
 
 

@@ -27,8 +27,9 @@ from typing import Any, Callable, Optional, Sequence
 from megatron_flash.engines.client_replies import lora_adapter_name
 from megatron_flash.trace import TRACER, TRAINER
 from megatron_flash.weight_sync import probe as probe_lib
-from megatron_flash.weight_sync.calls import EngineCalls, from_rank0
+from megatron_flash.weight_sync.calls import EngineCalls, from_rank0, sum_over_ranks
 from megatron_flash.weight_sync.colocate import MemoryHandoff
+from megatron_flash.weight_sync.delta_plan import DeltaPlan
 from megatron_flash.weight_sync.execute import Executor
 from megatron_flash.weight_sync.plan import sender_bytes_bound
 from megatron_flash.weight_sync.report import SyncReport, WeightSyncError
@@ -48,7 +49,8 @@ class WeightBridge:
                  master_address: str = "127.0.0.1", timeout_s: float = 600.0, engine_tp_size: int = 1,
                  max_resync: int = 1, fail_fast: bool = False, probe: bool = True, probe_threshold: float = 0.05,
                  alive_timeout_s: float = 10.0, on_bucket: Optional[Callable[[int], None]] = None,
-                 colocate: bool = False, lora: str = "") -> None:
+                 colocate: bool = False, lora: str = "", delta: str = "off", delta_anchor_every: int = 20,
+                 delta_max_density: float = 0.5, engine_dtype: Optional[str] = None) -> None:
         if bucket_mb <= 0:
             raise ValueError(f"weight_sync.bucket_mb must be > 0, got {bucket_mb!r}")
         if max_resync < 0:
@@ -84,17 +86,26 @@ class WeightBridge:
         else:
             self.transport = make_transport(transport, ctx)
         self.memory = MemoryHandoff(self.calls) if colocate else None
+        if delta != "off" and (colocate or lora == "adapter"):
+            raise ValueError(f"weight_sync.delta={delta} needs engines that keep their weights (not colocated) and "
+                             "full-weight pushes (not weight_sync.lora=adapter)")
+        self.delta = DeltaPlan(mode=delta, anchor_every=delta_anchor_every, engine_dtype=engine_dtype,
+                               max_density=delta_max_density, calls=self.calls, rank0=self.rank0)
         self.executor = Executor(policy, self.transport, self.calls, bucket_bytes=bucket_bytes,
-                                 pause_mode=pause_mode, memory=self.memory, on_bucket=on_bucket)
+                                 pause_mode=pause_mode, memory=self.memory, encoder=self.delta.encoder,
+                                 on_bucket=on_bucket)
 
     @classmethod
     def from_config(cls, policy: Any, engine_urls: Sequence[str], config: Any, **kwargs: Any) -> "WeightBridge":
         """From a `WeightSyncConfig`; `kwargs` carry what lives elsewhere (pause_mode, api_key, disk_dir…)."""
         return cls(policy, engine_urls, transport=config.transport, bucket_mb=config.bucket_mb,
                    max_resync=config.max_resync, fail_fast=config.fail_fast, probe=config.probe,
-                   probe_threshold=config.probe_threshold, timeout_s=config.timeout_s, **kwargs)
+                   probe_threshold=config.probe_threshold, timeout_s=config.timeout_s,
+                   delta_anchor_every=config.delta_anchor_every, delta_max_density=config.delta_max_density,
+                   **kwargs)
 
     def _take_out(self, urls_errors: dict[str, str]) -> None:
+        self.delta.forget(list(urls_errors))
         for url, why in urls_errors.items():
             self.urls.remove(url)
             self.failed[url] = why
@@ -113,6 +124,7 @@ class WeightBridge:
         sends them every weight. Every rank must call it with the same list."""
         urls = [u.rstrip("/") for u in urls]
         self.transport.forget(urls)
+        self.delta.forget(urls)
         if self.memory is not None:
             self.memory.forget(urls)
         for url in urls:
@@ -139,17 +151,27 @@ class WeightBridge:
         if not targets:
             raise WeightSyncError(f"weight sync to version {version}: no engine in service "
                                   f"(out of service: {self.failed or 'none'})")
+        try:
+            groups, anchor = self.delta.groups(version, targets)
+        except ValueError as error:
+            raise WeightSyncError(f"weight sync to version {version}: {error}") from None
+        self.transport.modes = {m for m, _ in groups}
         with TRACER.span("prepare", "sync", TRAINER, transport=self.transport.name):
             self.transport.prepare(version)
-        out = self.executor.run(version, targets, max_resync=self.max_resync)
-        errors = out.errors
+        outs = [self.executor.run(version, urls, max_resync=self.max_resync, mode=mode,
+                                  base=self.delta.encoder.base_version) for mode, urls in groups]
+        errors = {u: m for out in outs for u, m in out.errors.items()}
+        first_errors = {u: m for out in outs for u, m in out.first_errors.items()}
+        all_errors = {u: (errors[u] if u in errors else f"{first_errors[u]} (re-synced)") for u in first_errors}
+        counts = self.delta.settle(version, groups, errors, all_errors)
         self._take_out(errors)
-        all_errors = {u: (errors[u] if u in errors else f"{out.first_errors[u]} (re-synced)")
-                      for u in out.first_errors}
-        report = SyncReport(version=version, seconds=0.0, bytes_sent=out.bytes_sent, num_buckets=out.num_buckets,
+        report = SyncReport(version=version, seconds=0.0, bytes_sent=sum(o.bytes_sent for o in outs),
+                            num_buckets=sum(o.num_buckets for o in outs),
                             transport=self.transport.name, synced_urls=[u for u in targets if u not in errors],
-                            failed_urls=[u for u in targets if u in errors], resynced_urls=out.resynced,
-                            errors=all_errors)
+                            failed_urls=[u for u in targets if u in errors],
+                            resynced_urls=[u for o in outs for u in o.resynced], errors=all_errors)
+        report.fill_delta([p for o in outs for p in o.passes], anchor=anchor, **counts,
+                          copy_bytes=sum_over_ranks(self.delta.encoder.copy_bytes())[0] if self.delta.enabled else 0)
 
         def fail(message: str) -> WeightSyncError:
             report.seconds = time.perf_counter() - t0

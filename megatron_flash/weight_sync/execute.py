@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_flash.trace import TRACER, TRAINER
 from megatron_flash.weight_sync.calls import EngineCalls, Errors, from_rank0, merge_errors, sum_over_ranks
 from megatron_flash.weight_sync.colocate import MemoryHandoff
+from megatron_flash.weight_sync.delta import DeltaEncoder
 from megatron_flash.weight_sync.plan import bucket_nbytes, hf_buckets
 from megatron_flash.weight_sync.transports import Transport
 
@@ -37,27 +38,48 @@ class Outcome:
     resynced: list[str]
     bytes_sent: int
     num_buckets: int
+    passes: list["PassStats"] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class PassStats:
+    """One pass, summed over the senders."""
+
+    mode: str
+    engines: int
+    bytes_sent: int
+    bytes_full: int
+    elements: int
+    changed: int
+    tensors: int
+    encode_seconds: float
 
 
 class Executor:
     def __init__(self, policy: Any, transport: Transport, calls: EngineCalls, *, bucket_bytes: int,
-                 pause_mode: str, memory: Optional[MemoryHandoff],
+                 pause_mode: str, memory: Optional[MemoryHandoff], encoder: Optional[DeltaEncoder] = None,
                  on_bucket: Optional[Callable[[int], None]] = None) -> None:
         self.policy, self.transport, self.calls = policy, transport, calls
+        self.encoder = encoder or DeltaEncoder(None)
+        self.mode, self.base, self._trainer_failed = "plain", None, False
         self.bucket_bytes, self.pause_mode, self.memory, self.on_bucket = bucket_bytes, pause_mode, memory, on_bucket
         self.rank0 = policy.layout.rank == 0
 
-    def run(self, version: int, targets: list[str], *, max_resync: int) -> Outcome:
-        """Bring `targets` to `version`: one pass, then re-syncs of the dirty engines that answer.
-        Collective."""
-        errors, sent, buckets = self._pass(version, targets)
+    def run(self, version: int, targets: list[str], *, max_resync: int, mode: str = "plain",
+            base: Optional[int] = None) -> Outcome:
+        """Bring `targets` to `version`: one pass in `mode` (delta.py: plain, full, or delta against
+        `base`), then re-syncs of the dirty engines that answer (everything again: full, or plain for
+        engines that take no delta). Collective."""
+        passes: list[PassStats] = []
+        errors, sent, buckets = self._pass(version, targets, mode=mode, base=base, stats=passes)
         first_errors = dict(errors)
         resynced: list[str] = []
         for attempt in range(max_resync):
             retry = self.calls.alive(sorted(errors), rank0=self.rank0) if errors else []
             if not retry:
                 break
-            again, s, b = self._pass(version, retry, resync=True)
+            again, s, b = self._pass(version, retry, resync=True, mode="plain" if mode == "plain" else "full",
+                                     stats=passes)
             sent, buckets = sent + s, buckets + b
             for url in retry:
                 if url in again:
@@ -65,11 +87,15 @@ class Executor:
                 else:
                     errors.pop(url)
                     resynced.append(url)
-        return Outcome(errors, first_errors, resynced, sent, buckets)
+        return Outcome(errors, first_errors, resynced, sent, buckets, passes)
 
-    def _pass(self, version: int, targets: list[str], *, resync: bool = False) -> tuple[Errors, int, int]:
+    def _pass(self, version: int, targets: list[str], *, resync: bool = False, mode: str = "plain",
+              base: Optional[int] = None, stats: Optional[list] = None) -> tuple[Errors, int, int]:
         """One attempt to bring `targets` to `version`. Collective. Returns (errors, bytes, buckets)."""
+        self.mode, self.base, self._trainer_failed = mode, base, False
+        self.encoder.start_pass()
         streaming = self.transport.streams_buckets
+        files = not streaming and mode != "plain"  # disk with checksums: the buckets are written as files
         errors: Errors = {}
         if self.rank0:  # the trace's push phases (pause, buckets, resume) are rank 0's (trace.py)
             with TRACER.span("pause", "sync", TRAINER, engines=len(targets), mode=self.pause_mode, resync=resync):
@@ -78,19 +104,35 @@ class Executor:
         active = [u for u in targets if u not in errors]
         local: Errors = {}
         sent = buckets = 0
-        with TRACER.span("buckets", "sync", TRAINER, engines=len(active), transport=self.transport.name) as info:
-            if active and streaming:
+        with TRACER.span("buckets", "sync", TRAINER, engines=len(active), transport=self.transport.name,
+                         mode=mode) as info:
+            if active and (streaming or files):
+                if files:
+                    self.transport.start_files(version, mode)
                 local, sent, buckets = self._stream(active)
-            elif active and self.rank0:
-                local = self.transport.load(version, active)
-                sent = getattr(self.transport, "loaded_bytes", 0)  # adapters: what each engine was sent
             info.update(buckets=buckets, bytes=sent)  # this rank's
         errors.update(merge_errors(local))
+        st = self.encoder.stats
+        totals = sum_over_ranks(sent, buckets, st.tensors, st.elements, st.changed, st.bytes_full,
+                                int(st.seconds * 1e6), int(self._trainer_failed))
+        sent, buckets, tensors = totals[0], totals[1], totals[2]
+        if totals[7]:
+            self.encoder.invalidate()  # a trainer-side failure midway: some rank's copy is partial
+        elif active and mode != "plain":
+            self.encoder.commit(version)  # every sender's copy saw every tensor of `version`
+        verify = tensors if mode != "plain" else None
+        if active and not streaming and self.rank0:
+            local = self.transport.load(version, [u for u in active if u not in errors], verify_tensors=verify)
+            errors.update(local)
+            if not files:
+                sent = getattr(self.transport, "loaded_bytes", 0)  # adapters: what each engine was sent
         if self.rank0:
             with TRACER.span("resume", "sync", TRAINER, engines=len(active)):
-                errors.update(self._finish(version, active, errors))
+                errors.update(self._finish(version, active, errors, verify=verify))
         errors = from_rank0(errors)
-        sent, buckets = sum_over_ranks(sent, buckets)
+        if stats is not None and active:
+            stats.append(PassStats(mode, len(active), sent, totals[5], totals[3], totals[4], tensors,
+                                   totals[6] / 1e6))
         return errors, sent, buckets
 
     def _pause(self, targets: list[str], *, resync: bool) -> Errors:
@@ -109,7 +151,7 @@ class Executor:
             errors.update(begin)
         return errors
 
-    def _finish(self, version: int, active: list[str], errors: Errors) -> Errors:
+    def _finish(self, version: int, active: list[str], errors: Errors, *, verify: Optional[int] = None) -> Errors:
         """Rank 0, after the transfer: set the version on the engines that got everything, close, resume."""
         fan = self.calls.fan
         new: Errors = {}
@@ -118,7 +160,8 @@ class Executor:
             return [u for u in active if u not in errors and u not in new]
 
         if self.transport.streams_buckets:
-            _, e = fan("update_weight_version", ok(), lambda c: c.update_weight_version(str(version)))
+            _, e = fan("update_weight_version", ok(), lambda c: c.update_weight_version(str(version),
+                                                                                       verify_tensors=verify))
             new.update(e)
             _, e = fan("end_weight_update", active, lambda c: c.end_weight_update(), session=True)
             new.update({u: m for u, m in e.items() if u in ok()})  # a dirty engine's failed end is no news
@@ -148,6 +191,8 @@ class Executor:
                     live = [u for u in active if u not in errors]
                     step = f"PP stage {stage} bucket {index}"
                     try:
+                        # Encoded even when no engine is left: the kept copy must see every tensor.
+                        bucket = self.encoder.encode(bucket, self.mode, base=self.base)
                         if live:
                             with TRACER.span("bucket", "sync", TRAINER, stage=stage, index=index,
                                              bytes=bucket_nbytes(bucket)):
@@ -158,12 +203,14 @@ class Executor:
                             self._merge(errors, self.transport.drain())
                             self.on_bucket(index)
                     except Exception as error:  # a trainer-side failure: every engine may be partial
+                        self._trainer_failed = True
                         errors.update({u: f"{step}: trainer rank {layout.rank}: {type(error).__name__}: {error}"
                                        for u in live if u not in errors})
                     del bucket  # keeps peak memory at one bucket (ipc: the engines answered, files can go)
                 try:
                     self._merge(errors, self.transport.drain())  # what is still in flight
                 except Exception as error:
+                    self._trainer_failed = True
                     errors.update({u: f"PP stage {stage} (last buckets): trainer rank {layout.rank}: "
                                       f"{type(error).__name__}: {error}" for u in active if u not in errors})
             if serial:

@@ -69,7 +69,7 @@ def test_input_logprobs_for_the_probe(server) -> None:
     assert status == 400 or "logprob_start_len" in str(reply), reply  # past the prompt: refused
 
 
-def run_verify(server, model_dir: str, transports: list[str], out_dir) -> tuple[int, list[dict], str]:
+def run_verify(server, model_dir: str, transports: list[str], out_dir, *extra: str) -> tuple[int, list[dict], str]:
     """tools/weight_sync/verify.py against `server` with `transports` in turn: (exit code, its JSON lines, stderr)."""
     out, err = out_dir / "stdout", out_dir / "stderr"
     # Output to files, not pipes: with ipc the trainer's torch_shm_manager daemon inherits its stdout/stderr
@@ -77,7 +77,7 @@ def run_verify(server, model_dir: str, transports: list[str], out_dir) -> tuple[
     with open(out, "w") as stdout, open(err, "w") as stderr:
         code = subprocess.run([sys.executable, "tools/weight_sync/verify.py", "--model-path", model_dir,
                                *[a for t in transports for a in ("--transport", t)], "--engine-url", server.url,
-                               "--steps", str(STEPS), "--version", str(FIRST_VERSION)], cwd=REPO, stdout=stdout,
+                               "--steps", str(STEPS), "--version", str(FIRST_VERSION), *extra], cwd=REPO, stdout=stdout,
                               stderr=stderr, timeout=300 + 100 * len(transports),
                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}).returncode
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
@@ -116,3 +116,25 @@ def test_bridge_sync_is_exact_on_the_engine(server, synced: dict[str, dict], tin
     assert result["max_abs_logprob_diff"] <= 1e-4, result
     assert result["probe_max_abs_logprob_diff"] <= 1e-4, result
     assert result["stale_max_abs_logprob_diff"] > STALE_MIN, result
+
+
+def test_delta_pushes_where_the_engine_takes_them_whole_pushes_elsewhere(server, tiny_models: dict[str, str],
+                                                                       tmp_path) -> None:
+    """weight_sync.delta=auto, two syncs per transport through one bridge: the local engine advertises
+    `weight_update_delta` and gets a full push with checksums, then a delta; SGLang does not (it has no
+    delta loader yet) and gets two plain pushes. Either way the engine serves the trainer's weights
+    exactly. With delta=on an engine that takes no delta is refused by URL before anything is sent."""
+    transports = [t for t in ("broadcast", "disk") if not gpu_shared(server, t)]
+    code, rows, err = run_verify(server, tiny_models["llama"], transports, tmp_path, "--delta", "auto", "--syncs", "2")
+    assert code == 0 and len(rows) == 2 * len(transports), f"exit {code}:\n{err[-4000:]}\n{server.log_tail()}"
+    takes_delta = server.backend != "sglang"
+    for first, second in zip(rows[::2], rows[1::2]):
+        assert first["modes"] == ({"full": 1} if takes_delta else {"plain": 1}), first
+        assert second["modes"] == ({"delta": 1} if takes_delta else {"plain": 1}), second
+        for row in (first, second):
+            assert row["max_abs_logprob_diff"] <= 1e-4 and row["stale_max_abs_logprob_diff"] > STALE_MIN, row
+    if not takes_delta:
+        out = tmp_path / "on"
+        out.mkdir()
+        code, rows, err = run_verify(server, tiny_models["llama"], transports[:1], out, "--delta", "on")
+        assert code == 1 and rows == [] and f"weight_sync.delta=on but engine {server.url} takes no delta" in err, err[-3000:]

@@ -10,6 +10,9 @@ nine pairs with MF_VERSION_LABELS_ALL=1, ≈ 4 min, numbers in docs/benchmarks.m
     retract      ipc         retracts it; re-prefilled as prompt + prefix with the new weights
     in_place     broadcast   parks it; it continues on the KV the old weights wrote
 
+Disk and broadcast push deltas (weight_sync.delta=auto); the ipc run sets weight_sync.delta=on, so every
+pause mode is checked with delta pushes (ipc's whole pushes are what every other e2e run uses).
+
 A right label leaves only engine-vs-Megatron numerics: ≤ 1e-5 per token in fp32. With abort and
 retract every trained token is checked; with in_place the tokens sampled after a push attend to KV of
 older weights (no single version's μ; SGLang does the same) and are scored apart (mismatch_mixed_*,
@@ -38,12 +41,18 @@ def test_behaviour_logprobs_match_the_labelled_version(tiny_models, tmp_path, pa
     run(small_run(tiny_models["llama"], run_dir, "async_rl.alpha=2", "trainer.total_steps=6",
                   "trainer.version_check_interval=1", f"rollout.pause_mode={pause_mode}",
                   f"weight_sync.transport={transport}", "rollout.max_new_tokens=16",
+                  *(["weight_sync.delta=on"] if transport == "ipc" else []),
                   # one group (4 sequences) generating at a time: rollout is slower than the tiny model's
                   # train step, so pushes land while samples are generating whatever the box's speed
                   "engines.server_args={max_running_requests: 4}",
                   "loss.name=tis"), timeout=600)  # tis trains every response token: all are counted
     rows = metrics(run_dir)
     assert len(rows) == 6
+    # the pushes after the first were delta pushes, verified by their checksums (in fp32 most values
+    # change every step, so most tensors go whole: the saving is a bf16 engine's, not measured here)
+    assert rows[0]["sync/bytes"] > 0 and "sync/delta_density" not in rows[0]
+    assert all(0 < r["sync/delta_density"] <= 1 for r in rows[1:]), rows
+    assert all(r["sync/checksum_failures"] == 0 for r in rows)
     checked = mixed = trained = 0
     print(f"{pause_mode}/{transport}: labelled max", max(r["mismatch_labelled_max"] for r in rows),
           "mixed", [r.get("mismatch_mixed_abs") for r in rows])

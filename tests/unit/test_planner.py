@@ -292,3 +292,21 @@ def _validate_planner():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_push_bytes_follow_the_delta_density_and_the_anchors():
+    model = planner.ModelSpec(num_params=1e9)  # bf16: 2 GB whole
+    assert model.push_bytes() == 2e9
+    # 1 % changed: 2 B values + 4 B int32 positions per changed value = 6e7 B per delta push
+    assert model.push_bytes(0.01, anchor_every=0) == pytest.approx(6e7)
+    # 10 %: the bitmask (1/8 B per value) is cheaper than positions (0.4 B): 2e8 + 1.25e8
+    assert model.push_bytes(0.1, anchor_every=0) == pytest.approx(3.25e8)
+    # one whole push in every 20: (2e9 + 19 · 6e7) / 20
+    assert model.push_bytes(0.01, anchor_every=20) == pytest.approx((2e9 + 19 * 6e7) / 20)
+    assert model.push_bytes(1.0, anchor_every=0) == 2e9  # never more than whole
+    gpu = planner.GPUSpec.from_name("H100")
+    costs = [planner.Costs.from_models(model=model, gpu=gpu, engine_tp=1, mean_ctx=100, max_ctx=200,
+                                       sync_overhead_s=0.0, delta_density=d) for d in (0.0, 0.01)]
+    assert costs[0].sync_s == pytest.approx(2e9 / 50e9) and costs[1].sync_s == pytest.approx((2e9 + 19 * 6e7) / 20 / 50e9)
+    with pytest.raises(ValueError, match="delta density must be in"):
+        model.push_bytes(1.5)

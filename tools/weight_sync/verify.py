@@ -7,6 +7,7 @@
     ... --engine-url http://127.0.0.1:30000      # use running engines (repeat the flag) instead of local engine servers
     ... --engine-device cuda                     # the local engine on the GPU (ipc: CUDA handles, device to device)
     ... --transport ipc --transport broadcast --transport disk   # one sync per transport, in turn, same engines
+    ... --delta auto --syncs 2                   # weight_sync.delta: the second sync of each transport is a delta
 
 Builds the Megatron policy (layout --tp × --pp), takes --steps SGD steps on a fixed loss so the
 weights move away from the checkpoint, pushes them to the engine with the chosen transport, then
@@ -55,6 +56,11 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--version", type=int, default=1)
     p.add_argument("--tol", type=float, default=1e-4)
+    p.add_argument("--delta", default="off", choices=["off", "on", "auto"],
+                   help="weight_sync.delta of the bridge (docs/weight_sync.md 'Delta pushes')")
+    p.add_argument("--syncs", type=int, default=1,
+                   help="syncs per transport through the same bridge (--steps more steps before each): with "
+                        "--delta the second one is a delta push to engines that take them")
     args = p.parse_args()
 
     import torch
@@ -119,13 +125,18 @@ def main() -> int:
         tokens = torch.randint(4, policy.spec.vocab_size, (8, 12), generator=gen)
         batch = TrainBatch(tokens=tokens, loss_mask=torch.ones(8, 12))
         transports = args.transport or ["ipc"]
-        for index, transport in enumerate(transports):
+        runs = [(t, k) for t in transports for k in range(args.syncs)]
+        bridge = None
+        for index, (transport, repeat) in enumerate(runs):
             for _ in range(args.steps):
                 policy.train_step(batch, nll_loss_fn)
-            stale = engines_vs_trainer()[0] if len(transports) > 1 else None
+            stale = engines_vs_trainer()[0] if len(runs) > 1 else None
             version = args.version + index
-            bridge = WeightBridge(policy, urls, transport=transport, bucket_mb=args.bucket_mb,
-                                  disk_dir=os.path.join(tmp, "weights"), fail_fast=True)
+            if repeat == 0:
+                if bridge is not None:
+                    bridge.close()  # its buffers or broadcast group; the next transport brings its own
+                bridge = WeightBridge(policy, urls, transport=transport, bucket_mb=args.bucket_mb,
+                                      disk_dir=os.path.join(tmp, "weights"), fail_fast=True, delta=args.delta)
             report = bridge.sync(version)
             worst, versions = engines_vs_trainer()
             ok = worst <= args.tol
@@ -141,9 +152,8 @@ def main() -> int:
                                   "bytes_sent": report.bytes_sent, "num_buckets": report.num_buckets,
                                   "synced_urls": report.synced_urls, "failed_urls": report.failed_urls,
                                   "ipc_paths": sorted(set(getattr(bridge.transport, "paths", {}).values())),
+                                  "modes": report.modes, "delta_density": report.delta_density,
                                   "ok": ok}), flush=True)
-            if index + 1 < len(transports):
-                bridge.close()  # its buffers or broadcast group; the next transport brings its own
     except BaseException:
         code = 1
         raise

@@ -22,6 +22,7 @@ _ENGINE_OWNED_FLAGS = {
     "base-gpu-id": "engines.gpu_ids",
     "api-key": "engines.api_key",
 }
+ENGINE_DTYPES = ("", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -53,6 +54,11 @@ class EngineConfig(_Section):
     """Extra SGLang flags, passed verbatim as --key value (e.g. {mem-fraction-static: 0.8})."""
     api_key: Optional[str] = None
     """Bearer token for the engines' HTTP API; null = none. Redacted when a config is printed."""
+    dtype: str = ""
+    """The engines' weight dtype, passed to launched engines as --dtype (float32|bfloat16|float16): e.g.
+    bfloat16 engines for an fp32 trainer, as on GPUs (pushes are then cast by the trainer, half the
+    bytes). "" = what the engines load by themselves (engines.server_args.dtype when set; the local
+    engine's float32, SGLang's checkpoint dtype otherwise): the bridge reads it from each engine."""
     colocate: bool = False
     """Engines share the trainer's GPUs, time-shared: before each train step the engines are paused
     and release their memory (weights, KV cache, CUDA graphs: SGLang's /release_memory_occupation;
@@ -74,6 +80,13 @@ class EngineConfig(_Section):
 
     def validate(self) -> None:
         self._one_of("backend", ENGINE_BACKENDS)
+        self._one_of("dtype", ENGINE_DTYPES)
+        if self.dtype:
+            self._require(not any(str(k).lstrip("-").replace("_", "-") == "dtype" for k in self.server_args),
+                          "server_args", f"must not set dtype when engines.dtype={self.dtype} (one source)")
+            self._require(self.backend != "attach", "dtype",
+                          "must be empty with engines.backend=attach (set --dtype where the servers start; "
+                          "the bridge reads it from each engine)")
         self._at_least("max_restarts", 0)
         self._positive("attach_probe_interval_s")
         self._at_least("attach_probe_failures", 1)

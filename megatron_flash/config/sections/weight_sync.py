@@ -9,6 +9,7 @@ from megatron_flash.config.sections.base import _Section
 
 WEIGHT_TRANSPORTS = ("ipc", "broadcast", "disk")
 LORA_SYNC_MODES = ("auto", "merged", "adapter")
+DELTA_MODES = ("off", "on", "auto")
 
 
 @dataclass
@@ -44,8 +45,27 @@ class WeightSyncConfig(_Section):
     of the base and SGLang loads through its LoRA API (ipc or disk transport); auto: adapter with
     engines.backend=local (not colocated), merged otherwise. Refused without model.lora."""
 
+    delta: str = "auto"
+    """Send only the engine-dtype values that changed since the last push (engines/weight_delta.py: bitwise
+    compare against a kept copy, positions + values, per-tensor checksums verified by the engine, full
+    pushes to engines not at the base version and every delta_anchor_every-th push). on: every engine
+    must take deltas (the local engine does; SGLang does not yet: refused by URL); auto: on with the
+    broadcast and disk transports (across hosts, where bytes cost), for the engines that take deltas,
+    off with ipc (same node: the copy is as dear as what it saves); off: every push whole. Refused
+    with engines.colocate (released weights lose their values) and weight_sync.lora=adapter."""
+    delta_anchor_every: int = 20
+    """With delta on: every this-many-th push is a full one to every engine (a full anchor); 0 = only
+    the first push and engines that (re)join."""
+    delta_max_density: float = 0.5
+    """With delta on: a tensor with more than this share of its values changed goes whole."""
+
     def validate(self) -> None:
         self._one_of("transport", WEIGHT_TRANSPORTS)
+        # YAML 1.1 (OmegaConf) reads a bare on/off as a boolean, which reaches this str field as "True"/"False"
+        self.delta = {"True": "on", "False": "off", True: "on", False: "off"}.get(self.delta, self.delta)
+        self._one_of("delta", DELTA_MODES)
+        self._at_least("delta_anchor_every", 0)
+        self._require(0 < self.delta_max_density <= 1, "delta_max_density", "must be in (0, 1]")
         self._one_of("lora", LORA_SYNC_MODES)
         self._at_least("bucket_mb", 1)
         self._positive("probe_threshold")

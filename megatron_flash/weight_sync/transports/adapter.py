@@ -20,7 +20,7 @@ import io
 import logging
 import os
 import shutil
-from typing import Callable, ClassVar, Sequence
+from typing import Callable, ClassVar, Optional, Sequence
 
 from megatron_flash.engines.client_replies import lora_adapter_name, lora_adapter_version
 from megatron_flash.weight_sync.calls import Errors
@@ -74,7 +74,7 @@ class AdapterTransport:
     def _folder(self, version: int) -> str:
         return os.path.join(self.ctx.disk_dir, lora_adapter_name(version))
 
-    def load(self, version: int, urls: list[str]) -> Errors:
+    def load(self, version: int, urls: list[str], verify_tensors: Optional[int] = None) -> Errors:
         name = lora_adapter_name(version)
         fan = self.ctx.calls.fan
         again = [u for u in urls if name in self.loaded.get(u, [])]  # a re-sync of a dirty engine

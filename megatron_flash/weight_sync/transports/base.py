@@ -10,7 +10,7 @@ engines that came back (a restarted process is not in any group formed before).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Optional, Protocol, Sequence
 
 from megatron_flash.weight_sync.calls import EngineCalls, Errors
 from megatron_flash.weight_sync.plan import Bucket
@@ -58,7 +58,9 @@ class Transport(Protocol):
     def close(self) -> None:
         """The bridge shuts down: free what the transport holds (buffers, groups)."""
 
-    def load(self, version: int, urls: list[str]) -> Errors: ...
+    def load(self, version: int, urls: list[str], verify_tensors: Optional[int] = None) -> Errors:
+        """`verify_tensors`: the push carried checksums for this many tensors (delta.py), which the
+        engine must verify before it takes the version."""
 
     def forget(self, urls: Sequence[str]) -> None: ...
 
@@ -73,6 +75,8 @@ class TransportDefaults:
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
+        self.modes: set[str] = {"plain"}
+        """The pass modes (delta.py) the coming sync runs; set by the bridge before `prepare`."""
 
     def forget(self, urls: Sequence[str]) -> None:
         pass
@@ -92,5 +96,5 @@ class StreamingTransport(TransportDefaults):
     def prepare(self, version: int) -> None:
         pass
 
-    def load(self, version: int, urls: list[str]) -> Errors:
+    def load(self, version: int, urls: list[str], verify_tensors: Optional[int] = None) -> Errors:
         raise NotImplementedError(f"transport {self.name!r} streams buckets; it has no whole-state load")

@@ -7,6 +7,9 @@ engine's dtype):
     N               the whole tensor (the first push, an anchor, a dense change)
     N::mf.idx       int32 (int64 past 2**31 elements) flat positions of the changed values, ascending
     N::mf.mask      uint8, bit b of byte j set = element 8·j + b changed (least significant bit first)
+    N::mf.zidx      uint8: the gaps' width (2 or 4), then zlib of the positions' gaps (the first from -1)
+                    as little-endian uint16 or int32, where that is smaller than both of the above by a
+                    fifth (`compress_positions`)
     N::mf.val       the new values at those positions, in order
     N::mf.sum       int64 [2], `checksum` of N's bytes after the push: present for every tensor of the push
     mf.delta.base   int64 [1], the version this delta applies to (every bucket of a delta push)
@@ -21,8 +24,10 @@ advanced and the bridge re-sends the whole model. An engine either verifies or d
 from __future__ import annotations
 
 import os
+import zlib
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 FAULT_ENV = "MF_FAULT_DELTA_DIR"
@@ -31,7 +36,7 @@ FAULT_ENV = "MF_FAULT_DELTA_DIR"
 
 SEP = "::mf."
 BASE = "mf.delta.base"
-KINDS = ("idx", "mask", "val", "sum")
+KINDS = ("idx", "mask", "zidx", "val", "sum")
 ROW_WORDS = 256
 
 
@@ -96,6 +101,23 @@ def unpack_mask(mask: torch.Tensor, numel: int) -> torch.Tensor:
     return bits.view(-1)[:numel].nonzero().view(-1)
 
 
+def compress_positions(positions: torch.Tensor) -> bytes:
+    """Ascending flat positions → one byte (2 or 4: the gaps' width) + zlib (level 1) of their gaps
+    as little-endian uint16 (when every gap fits) or int32: small gaps, few distinct bytes."""
+    gaps = torch.diff(positions.to("cpu", torch.int64), prepend=torch.tensor([-1]))
+    narrow = bool(gaps.numel()) and int(gaps.max()) < 2**16
+    data = gaps.numpy().astype("<u2" if narrow else "<i4").tobytes()
+    return bytes([2 if narrow else 4]) + zlib.compress(data, 1)
+
+
+def decompress_positions(data: torch.Tensor) -> torch.Tensor:
+    raw = data.to("cpu").numpy().tobytes()
+    if not raw or raw[0] not in (2, 4):
+        raise ValueError("compressed delta positions: the first byte must be the gaps' width, 2 or 4")
+    gaps = np.frombuffer(zlib.decompress(raw[1:]), dtype="<u2" if raw[0] == 2 else "<i4").astype(np.int64)
+    return torch.from_numpy(np.cumsum(gaps) - 1)
+
+
 def apply_delta(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
     """Write `values` at flat `positions` of `target` in place (same dtype: bits are copied as they are)."""
     if values.dtype != target.dtype:
@@ -149,7 +171,7 @@ class DeltaReceiver:
                 continue
             parts = self.parts.setdefault(target_name, {})
             parts[kind] = tensor.detach().clone() if not tensor.is_cuda else tensor.detach()
-            if "val" in parts and ("idx" in parts or "mask" in parts):
+            if "val" in parts and ("idx" in parts or "mask" in parts or "zidx" in parts):
                 self._apply(target_name, self.parts.pop(target_name))
         return plain
 
@@ -179,6 +201,8 @@ class DeltaReceiver:
             raise ValueError(f"delta for unknown parameter {name!r}")
         if "idx" in parts:
             positions = parts["idx"].view(-1).to(torch.int64)
+        elif "zidx" in parts:
+            positions = decompress_positions(parts["zidx"].view(-1))
         else:
             positions = unpack_mask(parts["mask"], target.numel())
         with torch.no_grad():

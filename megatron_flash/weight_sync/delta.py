@@ -7,7 +7,8 @@ the bf16 size of its share of the model). A push is encoded per bucket in one of
     plain   the tensors as they are, cast to the engine dtype (engines that take no delta: SGLang)
     full    every tensor whole, each with its checksum (the first push, anchors, re-syncs, rejoins)
     delta   per tensor, the positions whose bits differ from the kept copy and their new values
-            (int32 positions, or a bitmask when that is smaller); a tensor whose share of changed
+            (int32 positions, or a bitmask when that is smaller, or zlib of the positions' gaps when
+            that saves a fifth more: lossless compression where it pays); a tensor whose share of changed
             values passes `max_density` goes whole; every tensor carries its checksum; every bucket
             names the base version
 
@@ -23,12 +24,15 @@ import dataclasses
 import time
 from typing import Optional
 
+import numpy as np
 import torch
 
-from megatron_flash.engines.weight_delta import BASE, checksum, int_view, pack_mask, part_name
+from megatron_flash.engines.weight_delta import BASE, checksum, compress_positions, int_view, pack_mask, part_name
 from megatron_flash.weight_sync.plan import Bucket
 
 MODES = ("plain", "full", "delta")
+MIN_COMPRESS = 256
+"""Changed values a tensor needs before its positions are tried with zlib (below, the call costs more)."""
 
 
 @dataclasses.dataclass
@@ -43,6 +47,8 @@ class DeltaStats:
     """What the pass would carry as whole tensors in the engine dtype."""
     whole: int = 0
     """Tensors sent whole in delta mode (dense change, or not in the copy)."""
+    compressed: int = 0
+    """Tensors whose positions went zlib-compressed (`N::mf.zidx`)."""
     seconds: float = 0.0
     """Encoding time (cast, compare, gather, checksum)."""
 
@@ -97,16 +103,22 @@ class DeltaEncoder:
             kept = self.copy.get(name)
             if mode == "delta" and kept is not None and kept.shape == new.shape and kept.dtype == new.dtype:
                 changed = int_view(kept).view(-1) != int_view(new.contiguous()).view(-1)
-                count = int(changed.sum())
+                count = int(changed.count_nonzero())  # (a bool sum() is 20× slower on the CPU)
                 st.changed += count
                 if count == 0:
                     out.append((part_name(name, "sum"), checksum(kept)))
                     continue
                 if count <= self.max_density * new.numel():
-                    positions = changed.nonzero().view(-1)
+                    positions = (changed.nonzero().view(-1) if changed.is_cuda  # numpy's is 6× faster on the CPU
+                                 else torch.from_numpy(np.flatnonzero(changed.numpy())))
                     values = new.contiguous().view(-1)[positions]
                     kept.view(-1)[positions] = values
-                    if count * 4 <= (new.numel() + 7) // 8 or new.numel() >= 2**31:
+                    plain_bytes = min(count * 4, (new.numel() + 7) // 8)
+                    packed = compress_positions(positions) if count >= MIN_COMPRESS and new.numel() < 2**31 else b""
+                    if packed and len(packed) * 5 <= plain_bytes * 4:  # compression where it pays (a fifth)
+                        out.append((part_name(name, "zidx"), torch.frombuffer(bytearray(packed), dtype=torch.uint8)))
+                        st.compressed += 1
+                    elif count * 4 <= (new.numel() + 7) // 8 or new.numel() >= 2**31:
                         index_dtype = torch.int32 if new.numel() < 2**31 else torch.int64
                         out.append((part_name(name, "idx"), positions.to(index_dtype)))
                     else:

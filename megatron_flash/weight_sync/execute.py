@@ -130,6 +130,8 @@ class Executor:
             with TRACER.span("resume", "sync", TRAINER, engines=len(active)):
                 errors.update(self._finish(version, active, errors, verify=verify))
         errors = from_rank0(errors)
+        if not streaming and not files:
+            sent = from_rank0(sent)  # adapters: rank 0 knows what each engine was sent
         if stats is not None and active:
             stats.append(PassStats(mode, len(active), sent, totals[5], totals[3], totals[4], tensors,
                                    totals[6] / 1e6))

@@ -36,8 +36,10 @@ STALE_MIN = 1e-2  # two SGD steps at lr 0.5 move the engines' logprobs by far mo
 RUNS = {  # one verify.py launch each: model, layout, processes, engines, its transports in turn
     "tp1pp1": ("llama", [], 1, 1, TRANSPORTS),
     # TP2 alone and PP2 alone are parts of this one (the same gather and the same per-stage senders);
-    # their own launches cost a minute of CI for no code path this does not take.
-    "tp2pp2-2engines": ("llama", ["--tp", "2", "--pp", "2"], 4, 2, TRANSPORTS),
+    # their own launches cost a minute of CI for no code path this does not take. It also runs delta
+    # sync (weight_sync.delta): two syncs per transport through one bridge, a full push with checksums
+    # then a delta, from two senders (one per stage) whose tensor counts the engines must verify together.
+    "tp2pp2-2engines": ("llama", ["--tp", "2", "--pp", "2", "--delta", "auto", "--syncs", "2"], 4, 2, TRANSPORTS),
     "ep2": ("qwen3_moe", ["--ep", "2"], 2, 1, TRANSPORTS),
     "tp2sp-ep2": ("qwen3_moe", ["--tp", "2", "--sp", "--ep", "2"], 4, 1, ("ipc",)),
 }
@@ -55,14 +57,21 @@ def synced(tiny_models) -> dict[tuple[str, str], dict]:
                         + [a for t in transports for a in ("--transport", t)],
                         nproc=nproc, timeout=300 + 100 * len(transports))
         lines = json_rows(proc.stdout)
-        assert [r["transport"] for r in lines] == list(transports), proc.stdout[-3000:]
-        results.update({(run, r["transport"]): r for r in lines})
+        syncs = syncs_of(run)
+        assert [r["transport"] for r in lines] == [t for t in transports for _ in range(syncs)], proc.stdout[-3000:]
+        results.update({(run, r["transport"]): r for r in lines})  # a transport's last sync
+        results.update({(run, r["transport"], "first"): r for r in lines[::-1]})
     return results
 
 
+def syncs_of(run: str) -> int:
+    layout = RUNS[run][1]
+    return int(layout[layout.index("--syncs") + 1]) if "--syncs" in layout else 1
+
+
 def check_sync(result: dict, run: str, transport: str) -> None:
-    transports = RUNS[run][4]
-    assert result["weight_versions"] == [str(VERSION + transports.index(transport))], result
+    transports, syncs = RUNS[run][4], syncs_of(run)
+    assert result["weight_versions"] == [str(VERSION + (transports.index(transport) + 1) * syncs - 1)], result
     assert result["max_abs_logprob_diff"] <= 1e-4, result
     assert result["probe_max_abs_logprob_diff"] <= 1e-4, result
     assert len(result["synced_urls"]) == RUNS[run][3] and result["failed_urls"] == [], result
@@ -85,6 +94,18 @@ def test_moe_experts_reach_the_engine(synced, run: str, transport: str) -> None:
     check_sync(result, run, transport)
     if transport != "disk":  # 2 layers × 8 experts × 3 tensors + router, attention, norms, embedding
         assert result["bytes_sent"] > 0 and result["num_buckets"] >= 2
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_delta_sync_from_two_senders(synced, transport: str) -> None:
+    first, last = synced[("tp2pp2-2engines", transport, "first")], synced[("tp2pp2-2engines", transport)]
+    assert first["modes"] == {"full": 2} and first["delta_density"] is None, first
+    # SGD at lr 0.5 changes nearly every value, so the delta pass sends most tensors whole; what this
+    # checks is the protocol across two senders (base versions, the engines' count of checksums)
+    assert last["modes"] == {"delta": 2} and 0 < last["delta_density"] <= 1, last
+    assert first["weight_versions"] == [str(int(last["weight_versions"][0]) - 1)], first
+    assert first["max_abs_logprob_diff"] <= 1e-4 and first["probe_max_abs_logprob_diff"] <= 1e-4, first
+    check_sync(last, "tp2pp2-2engines", transport)
 
 
 def test_the_comparison_is_not_vacuous(tiny_models) -> None:

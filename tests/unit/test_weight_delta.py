@@ -124,22 +124,26 @@ def test_the_encoding_follows_the_density() -> None:
     encoder.commit(0)
     before = weights["w"].to(torch.bfloat16)
 
-    def push(count: int, version: int) -> dict:
-        weights["w"][:count] += weights["w"][:count].abs() * 0.1 + 1e-3  # changes every one of them in bf16
+    def push(where: torch.Tensor, version: int) -> dict:
+        weights["w"][where] += weights["w"][where].abs() * 0.1 + 1e-3  # changes every one of them in bf16
         encoder.start_pass()
         out = dict(encoder.encode(list(weights.items()), "delta", base=version - 1))
         encoder.commit(version)
         return out
 
-    sparse = push(10, 1)  # 10 × 4 B of positions < 512 B of mask
-    assert sparse[part_name("w", "idx")].dtype == torch.int32 and sparse[part_name("w", "idx")].tolist() == list(range(10))
+    spread = torch.randperm(4096, generator=torch.Generator().manual_seed(1))
+    sparse = push(spread[:10], 1)  # 10 × 4 B of positions < 512 B of mask; too few to try zlib
+    assert sparse[part_name("w", "idx")].dtype == torch.int32
+    assert sparse[part_name("w", "idx")].tolist() == sorted(spread[:10].tolist())
     assert encoder.stats.changed == 10 and encoder.stats.elements == 4096
     assert int((weights["w"].to(torch.bfloat16).view(torch.int16) != before.view(torch.int16)).sum()) == 10
-    medium = push(1000, 2)  # 4000 B of positions > 512 B of mask
+    medium = push(spread[:1000], 2)  # random gaps: 512 B of mask beats 4000 B of positions and their zlib
     assert part_name("w", "mask") in medium and medium[part_name("w", "val")].numel() == 1000
-    dense = push(3000, 3)  # 73 % > max_density: whole
+    run = push(torch.arange(1000, 1900), 3)  # a run of 900: its gaps are all 1, zlib wins
+    assert part_name("w", "zidx") in run and run[part_name("w", "zidx")].numel() < 100
+    dense = push(torch.arange(4096)[:3000], 4)  # 73 % > max_density: whole
     assert "w" in dense and dense["w"].dtype == torch.bfloat16 and encoder.stats.whole == 1
-    quiet = push(0, 4)
+    quiet = push(torch.tensor([], dtype=torch.int64), 5)
     assert list(quiet) == [BASE, part_name("w", "sum")]
 
 
@@ -187,3 +191,25 @@ def test_an_encoder_refuses_a_delta_against_a_base_it_does_not_hold() -> None:
         encoder.encode([("w", torch.zeros(4))], "delta", base=3)
     with pytest.raises(ValueError, match="max_density must be in"):
         DeltaEncoder(torch.bfloat16, max_density=0)
+
+
+def test_positions_are_compressed_where_it_pays_and_decoded_exactly() -> None:
+    from megatron_flash.engines.weight_delta import compress_positions, decompress_positions
+
+    gen = torch.Generator().manual_seed(7)
+    positions = torch.sort(torch.randperm(2_000_000, generator=gen)[:20_000]).values
+    assert decompress_positions(torch.frombuffer(bytearray(compress_positions(positions)), dtype=torch.uint8)).tolist() \
+        == positions.tolist()
+    weights = {"w": torch.randn(2_000_000, generator=gen)}
+    encoder = DeltaEncoder(torch.bfloat16)
+    engine = Engine(weights)
+    engine.push(encoder.encode(list(weights.items()), "full"), 0, 1)
+    encoder.commit(0)
+    weights["w"][positions] += weights["w"][positions].abs() * 0.1 + 1e-3  # 1 % changed, sorted gaps ~100
+    encoder.start_pass()
+    bucket = dict(encoder.encode(list(weights.items()), "delta", base=0))
+    assert part_name("w", "zidx") in bucket and encoder.stats.compressed == 1
+    # the gaps (≈ 100, one or two bytes of entropy each) shrink well below int32 positions (80 kB)
+    assert bucket[part_name("w", "zidx")].numel() * 5 <= 4 * 20_000 * 4
+    assert engine.push(list(bucket.items()), 1, 1) == ""
+    assert torch.equal(engine.weights["w"].view(torch.int16), weights["w"].to(torch.bfloat16).view(torch.int16))

@@ -44,6 +44,9 @@
 #                 bf16 (flash; CP2 runs only where two GPUs are)
 #   rollout_static (not run yet; ≈ 7 min planned) queue_scheduling.py, prompt_replication.py, async_vs_sync.py
 #                 with --engine-device cuda on the static decoder (64 running per engine)
+#   delta_sync    (not run yet; ≈ 2.5 min planned) benchmarks/delta_density.py on the ≈0.5B model in CUDA
+#                 memory: the delta encoder (bf16 compare, positions, zlib, checksums) in seconds per GB,
+#                 and its share of a train step; tools/weight_sync/delta_check.py (checksums on the GPU)
 #   The stages of the GPU rows still open, in order: engine, trainer, shared_prefix, rollout_static (each alone):
 #     GPU_DEADLINE=440 bash tools/gpu_checks.sh run engine -- contract
 #   The newest megatron-core on the GPU (what Python 3.12 users get; CI tests it on CPU only):
@@ -161,6 +164,13 @@ track() {  # the named stages, one after another
                 stage cp_test 90 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_context_parallel.py
                 stage cp_long 240 python3 benchmarks/long_context.py --seq-len 8192,32768 --cp 1,2 \
                     --dtype bfloat16 --timeout 110 ;;
+            delta_sync)  # the delta encoder on the GPU: cost per GB against the train step; exactness
+                [ -f /tmp/m05b/config.json ] || stage make_05b 90 python3 tools/make_tiny_model.py --out /tmp/m05b \
+                    --num-layers 24 --hidden-size 1024 --vocab-size 151936
+                stage delta_density_05b 120 python3 benchmarks/delta_density.py --hf-dir /tmp/m05b --lrs 1e-5 \
+                    --steps 5 --batch 4 --seq-len 128
+                stage delta_check 90 python3 tools/weight_sync/delta_check.py --model-path runs/bench_models/sort4_quickstart_s0/warm_model \
+                    --pushes 20 --anchor-every 10 --drop-at 5 --corrupt-at 8 ;;
             rollout_static)  # the paper's rollout gains on the static decoder (flat step), one round each
                 stage queue_scheduling_static 150 python3 benchmarks/queue_scheduling.py --engine-device cuda \
                     --rounds 1 --max-running 64 --steps 8 --skip 2

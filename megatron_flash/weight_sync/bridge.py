@@ -1,6 +1,8 @@
 """Push the trainer's weights to the engines after an optimizer step: the bridge a trainer job owns.
 
     plan.py        who sends (one sender per PP stage) and what: HF tensors in buckets
+    delta.py       the sender's kept engine-dtype copy and the bucket encoder (plain, full, delta)
+    delta_plan.py  which engines get a delta, a full push with checksums, or a plain push
     execute.py     the pass protocol to a set of engines (pause → transfer → version → resume),
                    failure and re-sync of dirty engines
     transports/    how the bytes move: ipc (CUDA IPC / shared memory), broadcast (gloo/NCCL group),

@@ -9,6 +9,10 @@ The version is advanced by that one final call, so an engine that got part of th
 reports the old version; the proxy never re-admits it (its version ≠ the fleet's). A non-streaming
 transport (disk) replaces begin/buckets/version/end by one load call per engine that carries the version.
 
+A pass has a mode (delta.py): every bucket goes through the encoder on its way to the transport (plain:
+cast at most; full and delta: checksums, and the final call carries how many tensors the engines must
+verify). Disk with checksums writes the encoded buckets as files, then loads them by one call per engine.
+
 An engine with any error in a pass is *dirty*: it may hold part of the buckets, so it stays paused
 (it must not serve mixed weights) and, if it still answers, gets a whole new pass to it alone, up to
 `max_resync` times. Engines without an error are resumed on every path.

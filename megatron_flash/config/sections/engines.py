@@ -55,10 +55,13 @@ class EngineConfig(_Section):
     api_key: Optional[str] = None
     """Bearer token for the engines' HTTP API; null = none. Redacted when a config is printed."""
     dtype: str = ""
-    """The engines' weight dtype, passed to launched engines as --dtype (float32|bfloat16|float16): e.g.
-    bfloat16 engines for an fp32 trainer, as on GPUs (pushes are then cast by the trainer, half the
-    bytes). "" = what the engines load by themselves (engines.server_args.dtype when set; the local
-    engine's float32, SGLang's checkpoint dtype otherwise): the bridge reads it from each engine."""
+    """The engines' weight dtype (float32|bfloat16|float16): e.g. bfloat16 engines for an fp32 trainer, as
+    on GPUs; every push is then cast by the trainer (half the bytes). Launched engines get it as --dtype
+    (and so do the engines the multi-node template starts, through launch/pretrain_async_rl.py
+    --print-engine-flags); other attached servers must have been started with it (an engine that reports
+    another dtype in /get_server_info gets no deltas). "" = what the engines load by themselves
+    (engines.server_args.dtype when set; the local engine's float32, SGLang's checkpoint dtype
+    otherwise): pushes go in the trainer's dtype and the engines cast; delta pushes read it from each engine."""
     colocate: bool = False
     """Engines share the trainer's GPUs, time-shared: before each train step the engines are paused
     and release their memory (weights, KV cache, CUDA graphs: SGLang's /release_memory_occupation;
@@ -84,9 +87,7 @@ class EngineConfig(_Section):
         if self.dtype:
             self._require(not any(str(k).lstrip("-").replace("_", "-") == "dtype" for k in self.server_args),
                           "server_args", f"must not set dtype when engines.dtype={self.dtype} (one source)")
-            self._require(self.backend != "attach", "dtype",
-                          "must be empty with engines.backend=attach (set --dtype where the servers start; "
-                          "the bridge reads it from each engine)")
+
         self._at_least("max_restarts", 0)
         self._positive("attach_probe_interval_s")
         self._at_least("attach_probe_failures", 1)

@@ -101,6 +101,13 @@ class RunConfig:
         """Section name → section object, in declaration order."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def probe_threshold(self) -> float:
+        """weight_sync.probe_threshold with null resolved: 0.05, or 0.3 for 16-bit engines under an fp32 trainer."""
+        if self.weight_sync.probe_threshold is not None:
+            return self.weight_sync.probe_threshold
+        low = self.engines.dtype in ("bfloat16", "float16") and self.model.dtype == "float32"
+        return 0.3 if low else 0.05
+
     def delta_sync(self) -> str:
         """What the bridge does with weight_sync.delta: on (every engine must take deltas), auto (the
         engines that take them; whole pushes to the others) or off. auto is off over ipc (same node),

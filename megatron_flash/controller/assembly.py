@@ -108,7 +108,7 @@ def build_bridge(cfg: "RunConfig", policy: Any, urls: list[str], *, run_dir: str
         policy, urls, cfg.weight_sync, pause_mode=cfg.rollout.pause_mode, api_key=cfg.engines.api_key,
         disk_dir=default_disk_dir(run_dir), engine_tp_size=cfg.engines.tp_size,
         master_address=sender_address(urls), colocate=cfg.engines.colocate, lora=cfg.lora_sync_mode(),
-        delta=cfg.delta_sync(), engine_dtype=cfg.engines.dtype or None)
+        delta=cfg.delta_sync(), engine_dtype=cfg.engines.dtype or None, probe_threshold=cfg.probe_threshold())
     bridge.executor.on_bucket = sync_cut_hook(bridge)  # None unless MF_FAULT_CUT_SYNC_FILE is set (benchmarks)
     return bridge
 

@@ -99,10 +99,12 @@ class WeightBridge:
 
     @classmethod
     def from_config(cls, policy: Any, engine_urls: Sequence[str], config: Any, **kwargs: Any) -> "WeightBridge":
-        """From a `WeightSyncConfig`; `kwargs` carry what lives elsewhere (pause_mode, api_key, disk_dir…)."""
+        """From a `WeightSyncConfig`; `kwargs` carry what lives elsewhere (pause_mode, api_key, disk_dir…,
+        probe_threshold as RunConfig.probe_threshold() resolves it)."""
+        threshold = kwargs.pop("probe_threshold", None) or config.probe_threshold or 0.05
         return cls(policy, engine_urls, transport=config.transport, bucket_mb=config.bucket_mb,
                    max_resync=config.max_resync, fail_fast=config.fail_fast, probe=config.probe,
-                   probe_threshold=config.probe_threshold, timeout_s=config.timeout_s,
+                   probe_threshold=threshold, timeout_s=config.timeout_s,
                    delta_anchor_every=config.delta_anchor_every, delta_max_density=config.delta_max_density,
                    **kwargs)
 

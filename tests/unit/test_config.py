@@ -66,7 +66,7 @@ CONTRACT = {
     "engines.request_timeout_s": 600.0, "engines.server_args": {}, "engines.api_key": None,
     "engines.max_restarts": 3, "engines.colocate": False,
     "weight_sync.transport": "ipc", "weight_sync.bucket_mb": 512, "weight_sync.probe": True,
-    "weight_sync.probe_threshold": 0.05,
+    "weight_sync.probe_threshold": None,
     "data.path": "", "data.prompt_key": "prompt", "data.answer_key": "answer", "data.task": "",
     "data.num_samples": 0, "data.shuffle": True,
     "logging.dir": "runs/default", "logging.wandb_mode": "offline", "logging.wandb_project": "megatron-flash",

@@ -64,3 +64,12 @@ def test_engines_get_the_dtype_flag_only_when_it_is_set() -> None:
     cfg = load_config(None, BASE + ["engines.dtype=bfloat16"])
     assert engine_server_args(cfg.engines, backend="local")["dtype"] == "bfloat16"
     assert "dtype" not in engine_server_args(load_config(None, BASE).engines, backend="local")
+
+
+def test_the_probe_threshold_follows_the_engine_dtype() -> None:
+    assert load_config(None, BASE).probe_threshold() == 0.05
+    assert load_config(None, BASE + ["engines.dtype=bfloat16"]).probe_threshold() == 0.3
+    assert load_config(None, BASE + ["engines.dtype=bfloat16", "model.dtype=bfloat16"]).probe_threshold() == 0.05
+    assert load_config(None, BASE + ["engines.dtype=bfloat16", "weight_sync.probe_threshold=0.1"]).probe_threshold() == 0.1
+    with pytest.raises(ValueError, match="weight_sync.probe_threshold must be > 0"):
+        load_config(None, BASE + ["weight_sync.probe_threshold=0"])

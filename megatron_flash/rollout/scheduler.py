@@ -121,6 +121,7 @@ class RolloutScheduler:
         self._failures: dict[Any, int] = {}  # prompt index → its groups' engine failures in a row
         self._last_success = time.monotonic()
         self._failing_since: Optional[float] = None
+        self._last_error: Optional[BaseException] = None
         self._fatal: Optional[BaseException] = None
         # Sent only when on: a proxy (or a test's) without routes support keeps working without it.
         self._route_kw = {"return_routed_experts": True} if settings.return_routed_experts else {}
@@ -165,6 +166,7 @@ class RolloutScheduler:
         error: Optional[BaseException] = None
         try:
             while not self._stopping:
+                self._check_down(time.monotonic())
                 if self._fatal is not None:
                     raise self._fatal
                 if self.staleness.version != self._seen_version:
@@ -361,10 +363,17 @@ class RolloutScheduler:
         now = time.monotonic()
         if self._failing_since is None:
             self._failing_since = now
-        if self._fatal is None and now - max(self._failing_since, self._last_success) > self.settings.engine_down_deadline_s:
+        self._last_error = error
+        self._check_down(now)
+
+    def _check_down(self, now: float) -> None:
+        """Also from the admission loop's tick: after a failure, requests may wait for a healthy engine
+        without failing again (every engine out of routing), and the deadline must fire all the same."""
+        if self._fatal is None and self._failing_since is not None and \
+                now - max(self._failing_since, self._last_success) > self.settings.engine_down_deadline_s:
             self._fatal = RolloutError(
                 f"no rollout request succeeded for {self.settings.engine_down_deadline_s:.0f} s "
-                f"(engines down?); last error: {error}")
+                f"(engines down?); last error: {self._last_error}")
 
     def _params(self, remaining: int) -> dict[str, Any]:
         params = {**self.settings.sampling_params, "max_new_tokens": remaining}

@@ -150,7 +150,7 @@ class Harness:
 def start(*, alpha: int, batch: int, n: int, proxy: FakeProxy, extra: int = 0, stale_policy: str = "drop",
           replication: bool = True, group_filter=lambda r: True, rewards: Optional[Rewards] = None,
           max_new_tokens: int = 6, chunk: int = 1, routes: bool = False, overlong: tuple[int, float] = (0, 1.0),
-          dataset: Any = None, admission: str = "eager") -> Harness:
+          dataset: Any = None, admission: str = "eager", down_s: float = 120.0) -> Harness:
     m = StalenessManager(alpha=alpha, batch_size=batch, extra=extra * n, admission=admission)
     holder: dict[str, RolloutScheduler] = {}
     buf = SampleBuffer(m, stale_policy=stale_policy,
@@ -160,7 +160,8 @@ def start(*, alpha: int, batch: int, n: int, proxy: FakeProxy, extra: int = 0, s
                          settings=SchedulerSettings(n_samples_per_prompt=n, sampling_params={"temperature": 1.0},
                                                     max_new_tokens=max_new_tokens, prompt_replication=replication,
                                                     replication_chunk=chunk, return_routed_experts=routes,
-                                                    overlong_buffer_len=overlong[0], overlong_penalty=overlong[1]),
+                                                    overlong_buffer_len=overlong[0], overlong_penalty=overlong[1],
+                                                    engine_down_deadline_s=down_s),
                          decode=lambda ids: "".join(chr(97 + i % 26) for i in ids), poll_s=0.001)
     holder["s"] = s
     t = threading.Thread(target=lambda: asyncio.run(s.run()), daemon=True)
@@ -438,6 +439,22 @@ def test_samples_carry_the_routes_of_their_last_request_across_resumes(replicati
             resumed += s.num_resumes
             assert s.routed_experts.tolist() == [route_of(t) for t in tokens[:-1]]
     assert resumed >= 2  # some came from a request that continued a cut prefix
+
+
+def test_the_down_deadline_fires_while_requests_wait_without_failing_again() -> None:
+    """One request fails, every other one waits for an engine that never answers (all engines out of
+    routing: the proxy holds requests, it does not fail them): the run stops by engine_down_deadline_s."""
+    from megatron_flash.buffer.sample_buffer import BufferClosed
+
+    h = start(alpha=1, batch=4, n=2, down_s=0.5, proxy=FakeProxy(lambda rid: 1000.0, fail_rids=("g0-s0-r0",)))
+    t0 = time.monotonic()
+    with pytest.raises(BufferClosed) as stopped:
+        h.buffer.take_batch(4, timeout_s=30, poll_s=0.005)
+    assert time.monotonic() - t0 < 10
+    assert "no rollout request succeeded for 0 s (engines down?); last error: engine lost g0-s0-r0" in \
+        str(stopped.value.__cause__)
+    h.scheduler.stop()
+    h.thread.join(10)
 
 
 def test_an_engine_without_routes_stops_the_run_naming_it_and_the_flag() -> None:

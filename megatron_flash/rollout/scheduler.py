@@ -360,20 +360,16 @@ class RolloutScheduler:
                             f"failing on them, so no step can be filled; e.g. prompt {index} ({length} tokens): {why}")
 
     def _note_failure(self, error: BaseException) -> None:
-        now = time.monotonic()
-        if self._failing_since is None:
-            self._failing_since = now
+        self._failing_since = self._failing_since or time.monotonic()
         self._last_error = error
-        self._check_down(now)
+        self._check_down(time.monotonic())
 
     def _check_down(self, now: float) -> None:
-        """Also from the admission loop's tick: after a failure, requests may wait for a healthy engine
-        without failing again (every engine out of routing), and the deadline must fire all the same."""
-        if self._fatal is None and self._failing_since is not None and \
-                now - max(self._failing_since, self._last_success) > self.settings.engine_down_deadline_s:
-            self._fatal = RolloutError(
-                f"no rollout request succeeded for {self.settings.engine_down_deadline_s:.0f} s "
-                f"(engines down?); last error: {self._last_error}")
+        """Also on the admission loop's tick: retries may wait for a healthy engine without failing again."""
+        since = None if self._failing_since is None else max(self._failing_since, self._last_success)
+        if self._fatal is None and since is not None and now - since > self.settings.engine_down_deadline_s:
+            self._fatal = RolloutError(f"no rollout request succeeded for {self.settings.engine_down_deadline_s:.0f} s "
+                                       f"(engines down?); last error: {self._last_error}")
 
     def _params(self, remaining: int) -> dict[str, Any]:
         params = {**self.settings.sampling_params, "max_new_tokens": remaining}

@@ -230,6 +230,12 @@ class RunConfig:
             raise ValueError("weight_sync.lora=adapter with weight_sync.transport=broadcast: engines take adapters "
                              "through their LoRA API (tensors in shared memory, or a PEFT folder on disk), not over "
                              "a process group; use weight_sync.transport=ipc or disk, or weight_sync.lora=merged")
+        if self.delta_sync() == "off":  # the delta knobs would do nothing: refused, not ignored
+            for key, default in (("delta_anchor_every", 20), ("delta_max_density", 0.5)):
+                if getattr(self.weight_sync, key) != default:
+                    raise ValueError(f"weight_sync.{key} is only used with delta pushes, which are off here "
+                                     f"(weight_sync.delta={self.weight_sync.delta}, transport="
+                                     f"{self.weight_sync.transport}); set weight_sync.delta=on or remove it")
         if self.weight_sync.delta == "on" and self.engines.colocate:
             raise ValueError("weight_sync.delta=on with engines.colocate=true: colocated engines release their "
                              "weights' memory while the trainer steps and lose the values a delta applies to; "

@@ -17,8 +17,8 @@ engine's dtype):
 The engine applies a delta only when it serves `mf.delta.base`; it refuses otherwise (the bridge then
 sends it everything). After the last bucket, the final call (`update_weight_version`, or the disk load
 itself, with `verify_tensors`: how many tensors the trainer sent) checks that that many tensors came
-with a checksum in this push and that each equals the checksum of the engine's bytes; any miss fails the update, so the version is not
-advanced and the bridge re-sends the whole model. An engine either verifies or does not serve.
+with a checksum in this push and that each equals the checksum of the engine's bytes; any miss fails
+the update, so the version is not advanced and the bridge re-sends the whole model. An engine either verifies or does not serve.
 """
 
 from __future__ import annotations

@@ -73,3 +73,12 @@ def test_the_probe_threshold_follows_the_engine_dtype() -> None:
     assert load_config(None, BASE + ["engines.dtype=bfloat16", "weight_sync.probe_threshold=0.1"]).probe_threshold() == 0.1
     with pytest.raises(ValueError, match="weight_sync.probe_threshold must be > 0"):
         load_config(None, BASE + ["weight_sync.probe_threshold=0"])
+
+
+def test_delta_knobs_are_refused_where_deltas_are_off() -> None:
+    with pytest.raises(ValueError, match="weight_sync.delta_anchor_every is only used with delta pushes"):
+        load_config(None, BASE + ["weight_sync.delta_anchor_every=5"])  # auto over ipc: off
+    with pytest.raises(ValueError, match="weight_sync.delta_max_density is only used with delta pushes"):
+        load_config(None, BASE + ["weight_sync.delta=off", "weight_sync.transport=disk", "weight_sync.delta_max_density=0.2"])
+    cfg = load_config(None, BASE + ["weight_sync.transport=broadcast", "weight_sync.delta_anchor_every=5"])
+    assert cfg.weight_sync.delta_anchor_every == 5

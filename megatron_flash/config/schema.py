@@ -247,6 +247,13 @@ class RunConfig:
         if self.weight_sync.delta == "on" and self.engines.backend == "sglang":
             raise ValueError("weight_sync.delta=on with engines.backend=sglang: SGLang does not apply deltas yet "
                              "(weight_sync.delta=auto sends them whole)")
+        if self.engines.join_port and self.weight_sync.transport == "ipc":
+            raise ValueError("engines.join_port with weight_sync.transport=ipc: engines that join come from other "
+                             "hosts, which CUDA IPC / shared memory cannot reach; use weight_sync.transport=broadcast "
+                             "or disk (a filesystem every engine host sees)")
+        if self.engines.join_port and self.rollout.runner != "thread":
+            raise ValueError("engines.join_port needs rollout.runner=thread (the fleet changes on the trainer's rollout "
+                             "loop; the process runner does not take joins yet)")
         if self.engines.colocate and self.async_rl.alpha != 0:
             raise ValueError(
                 f"async_rl.alpha must be 0 with engines.colocate=true (colocated engines sleep while the "

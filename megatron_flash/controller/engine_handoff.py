@@ -67,7 +67,8 @@ class EngineHandoff:
                 self._take_restarted()
             restarted, self._waiting_restarted = self._waiting_restarted, ([], [])
             self._readmit(self.broadcast(restarted), out)
-            report = self._sync(new_version, out)
+            joining = self._fleet_changes()
+            report = self._sync(new_version, out, trial=joining)
             out["sync_gb"] = report.bytes_sent / 1e9
             out.update(sync_metrics(report))
             out["engines_out_of_service"] = len(self.bridge.failed)
@@ -77,8 +78,33 @@ class EngineHandoff:
                 out["train_infer_logprob_diff_max"] = float(report.max_abs_logprob_diff)
                 out["time_probe"] = report.probe_seconds
             if self.runtime is not None:
-                self.runtime.note_sync(new_version, {u: report.errors.get(u, "failed") for u in report.failed_urls})
+                failed = {u: report.errors.get(u, "failed") for u in report.failed_urls}
+                joined = self._settle_joins(joining, report, failed)
+                self.runtime.note_sync(new_version, failed, joined=tuple(joined))
+                out["engines_joined_now"] = len(joined)
         return out
+
+    def _fleet_changes(self) -> list[str]:
+        """engines.join_port: engines that left the fleet since the last push are dropped from the
+        bridge, and the ones that registered join this push (whole weights, then the probe). Collective:
+        rank 0's registry decides, every rank applies the same lists."""
+        registry = getattr(self.runtime, "registry", None)
+        changes = (registry.take_pending(), registry.take_gone()) if registry is not None else ([], [])
+        joining, gone = self.broadcast(changes)
+        if gone:
+            self.bridge.remove(gone)
+        if joining:
+            self.bridge.readmit(joining)
+        return list(joining)
+
+    def _settle_joins(self, joining: list[str], report: Any, failed: dict[str, str]) -> list[str]:
+        """Rank 0: which joining engines serve now; the refused ones leave the bridge (every rank drops
+        them at the next push through `take_gone`)."""
+        registry = getattr(self.runtime, "registry", None)
+        if registry is None or not joining:
+            return []
+        return registry.settle([u for u in joining if u in report.synced_urls],
+                               {u: why for u, why in failed.items() if u in joining})
 
     def _take_restarted(self) -> None:
         urls, seconds = self.runtime.take_restarted()
@@ -120,7 +146,7 @@ class EngineHandoff:
             out["engines_restarted"] = out.get("engines_restarted", 0) + len(rejoin)
             out["engine_restart_s"] = max(restart_s) if restart_s else float("nan")
 
-    def _sync(self, new_version: int, out: dict[str, float], only: Any = None) -> Any:
+    def _sync(self, new_version: int, out: dict[str, float], only: Any = None, trial: Any = ()) -> Any:
         """bridge.sync; when it fails because no engine is left in service and one is coming back (a
         launched engine being restarted, an attached one expected to answer again), wait for it (up to
         engines.down_timeout_s, rank 0) and push again with it readmitted. Collective."""
@@ -128,7 +154,7 @@ class EngineHandoff:
 
         while True:
             try:
-                return self.bridge.sync(new_version, only=only)
+                return self.bridge.sync(new_version, only=only, trial=trial)
             except WeightSyncError as error:
                 back: Any = ([], [])
                 if self.runtime is not None and not self.bridge.fail_fast:

@@ -181,7 +181,7 @@ class Controller:
                                config=assembly.config_dict(cfg), rank=self.rank)
         self.recorder = StepRecorder(run_dir=self.run_dir, tracker=self.tracker, rollout_cfg=cfg.rollout)
         if self.mode.replays:
-            from megatron_flash.rollout.runtime import read_group_dump
+            from megatron_flash.rollout.group_dump import read_group_dump
 
             self.replay = read_group_dump(cfg.trainer.replay_path)
         if self.mode.generates:

@@ -45,6 +45,7 @@ from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Sequ
 from megatron_flash.engines.client import (EngineClient, EngineError, EngineHTTPError,
                                                   EngineTimeout, EngineUnreachable, GenerateResult)
 from megatron_flash.engines.client_replies import lora_adapter_name, parse_input_logprobs, parse_input_top_logprobs
+from megatron_flash.rollout.proxy_fleet import FleetOps
 from megatron_flash.rollout.request_trace import RequestWatch
 from megatron_flash.rollout.slots import EngineMetrics, EngineSlots, EngineState, ProxyMetrics
 
@@ -70,7 +71,7 @@ class EngineFanOutError(RuntimeError):
         super().__init__("\n".join(lines))
 
 
-class LLMProxy:
+class LLMProxy(FleetOps):
     """Route generate() over engines; see the module docstring for the policy.
 
     The proxy owns its clients (``close()`` closes them). Use ``async with LLMProxy(...)`` or call
@@ -106,6 +107,10 @@ class LLMProxy:
         self._background: Set[asyncio.Future] = set()
         self._parallel_calls: Dict[str, asyncio.Future] = {}  # rid → HTTP call of a generate_n in flight
         self._cut: Set[str] = set()  # generate_n rids whose call the proxy cancelled after an abort
+        self._calls: Dict[str, asyncio.Future] = {}  # rid → its engine call now in flight
+        self._evicted: Set[str] = set()  # rids whose call was cancelled because their engine left
+        self._trace_name = trace_name
+        self._next_track = len(self._engines)
         self._closed = False
         self.reset_metrics()
 
@@ -254,8 +259,26 @@ class LLMProxy:
                 watch = RequestWatch(self._tracks[id(engine)], rid, num_samples=num_samples,
                                      weight_version=self._fleet_weight_version,
                                      queued_ns=time.monotonic_ns() - queued, activity=self._generates)
+                task = asyncio.ensure_future(call(engine))
+                self._calls[rid] = task
                 try:
-                    result = await call(engine)
+                    result = await task
+                except asyncio.CancelledError as e:
+                    if not self._evicted_now(rid, task):
+                        watch.close(error=e)
+                        engine.rids.discard(rid)
+                        self._slots.release(engine, failed=True, slots=slots)
+                        if not self._closed:  # our caller gave up: the engine must stop generating too
+                            self._spawn(self._quiet_abort(engine, rid))
+                        raise
+                    # Its engine left the fleet (engines/fleet): the same rid goes to another engine.
+                    watch.close(error=RuntimeError(f"re-issued: {engine.client.url} left the fleet"))
+                    engine.rids.discard(rid)
+                    self._slots.release(engine, failed=False, count=False, slots=slots)
+                    self._spawn(self._quiet_abort(engine, rid))
+                    self._active[rid] = None
+                    self._reissued += 1
+                    continue
                 except (EngineUnreachable, EngineHTTPError) as e:
                     watch.close(error=e)
                     engine.rids.discard(rid)
@@ -279,11 +302,9 @@ class LLMProxy:
                     watch.close(error=e)
                     engine.rids.discard(rid)
                     self._slots.release(engine, failed=True, slots=slots)
-                    if isinstance(e, asyncio.CancelledError) and not self._closed:
-                        # Our caller gave up (e.g. a group that turned stale): the slot is free for
-                        # the proxy, so the engine must stop generating too.
-                        self._spawn(self._quiet_abort(engine, rid))
                     raise
+                finally:
+                    self._calls.pop(rid, None)
                 engine.rids.discard(rid)
                 self._slots.release(engine, failed=False, slots=slots, num_completed=num_samples)
                 watch.close(result)  # with the release: a metrics window counts it iff the trace puts it before
@@ -457,9 +478,10 @@ class LLMProxy:
     def reset_metrics(self) -> None:
         """Start a new metrics window (counts and time fractions; in-flight state is kept)."""
         self._slots.reset_metrics()
-        self._retried = self._num_aborted = 0
+        self._retried = self._num_aborted = self._reissued = 0
 
     def metrics(self) -> ProxyMetrics:
         engines, window = self._slots.engine_metrics()
         return ProxyMetrics(engines=engines, queue_len=len(self._slots.waiters), completed=self._slots.num_completed,
-                            retried=self._retried, aborted=self._num_aborted, window_s=window)
+                            retried=self._retried, aborted=self._num_aborted, window_s=window,
+                            reissued=self._reissued)

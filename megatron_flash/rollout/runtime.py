@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import threading
@@ -19,10 +18,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from megatron_flash.buffer.sample_buffer import SampleBuffer
 from megatron_flash.buffer.staleness import StalenessManager
 from megatron_flash.rollout.filters import get_filter
+from megatron_flash.rollout.group_dump import GroupDump
 from megatron_flash.rollout.group_runner import GroupRunner, GroupRunnerFactory
 from megatron_flash.rollout.scheduler import RolloutScheduler, RolloutStats, SchedulerSettings
 from megatron_flash.trace import ACTIVITY, TRACER
-from megatron_flash.types import Group, decode_routes, encode_routes
+from megatron_flash.types import Group
 
 if TYPE_CHECKING:
     from megatron_flash.config.schema import EngineConfig, RolloutConfig
@@ -36,71 +36,6 @@ def sampling_params(rollout_cfg: Any) -> dict[str, Any]:
     if rollout_cfg.min_new_tokens:
         params["min_new_tokens"] = rollout_cfg.min_new_tokens
     return params
-
-
-class GroupDump:
-    """Finished groups as JSON lines (rollout-only mode, or rollout.dump_path): replayable."""
-
-    def __init__(self, path: str) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.path = path
-        self._f = open(path, "a")
-        self._lock = threading.Lock()
-
-    def write(self, group: Group) -> None:
-        record = {"group_id": group.group_id, "prompt_index": group.prompt_index,
-                  "version_start": group.version_start,
-                  "samples": [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids,
-                               "behavior_logprobs": s.behavior_logprobs, "reward": s.reward,
-                               "finished": s.finished, "finish_reason": s.finish_reason,
-                               "version_start": s.version_start, "version_end": s.version_end,
-                               "token_versions": s.token_versions, "response_mask": s.response_mask,
-                               **({} if s.teacher_logprobs is None else {"teacher_logprobs": s.teacher_logprobs}),
-                               **({} if s.teacher_topk_ids is None else {"teacher_topk_ids": s.teacher_topk_ids,
-                                                                         "teacher_topk_logprobs": s.teacher_topk_logprobs}),
-                               **({} if s.routed_experts is None else
-                                  {"routed_experts": encode_routes(s.routed_experts),
-                                   "routed_experts_width": int(s.routed_experts.shape[1])})}
-                              for s in group.samples]}
-        with self._lock:
-            self._f.write(json.dumps(record) + "\n")
-            self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
-
-
-def _routes_decoded(sample: dict) -> dict:
-    if "routed_experts" not in sample:
-        return sample
-    rows = len(sample["prompt_ids"]) + len(sample["response_ids"]) - 1
-    width = sample.pop("routed_experts_width")
-    routes = decode_routes(sample["routed_experts"], rows)
-    if routes.shape[1] != width:
-        raise ValueError(f"routed_experts has {routes.shape[1]} ids per token, the record says {width}")
-    return {**sample, "routed_experts": routes}
-
-
-def read_group_dump(path: str) -> list[Group]:
-    """Groups written by GroupDump; a malformed line names the file and line number."""
-    from megatron_flash.types import Sample
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"trainer.replay_path: no such file {path!r}")
-    groups = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                samples = [Sample(group_id=rec["group_id"], prompt_index=rec["prompt_index"], **_routes_decoded(s))
-                           for s in rec["samples"]]
-                groups.append(Group(group_id=rec["group_id"], prompt_index=rec["prompt_index"], samples=samples,
-                                    version_start=rec["version_start"]))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: not a dumped group ({type(e).__name__}: {e})") from e
-    return groups
 
 
 class RolloutRuntime:
@@ -148,6 +83,8 @@ class RolloutRuntime:
         # (spawns=False) there; `buffer` and `staleness` then become its stubs once rollout starts.
         self.spawns = rollout.runner == "process" if spawns is None else spawns
         self._remote: Any = None
+        self.registry: Any = None
+        """engines.join_port: the fleet's registration endpoint (rollout/fleet.py), trainer rank 0."""
 
     # ------------------------------------------------------------------ lifecycle
     def start_engines(self) -> list[str]:
@@ -169,6 +106,15 @@ class RolloutRuntime:
             self.launcher.supervise(max_restarts=eng.max_restarts, on_down=self.engine_down)
         if self.distill is not None:
             self._start_teacher(first_gpu + eng.num_engines * eng.tp_size)
+        if eng.join_port:
+            from megatron_flash.rollout.fleet import FleetRegistry
+
+            self.registry = FleetRegistry(
+                api_key=eng.api_key or "", tp_size=eng.tp_size, own_urls=self.urls, host=eng.join_host,
+                port=eng.join_port, address_file=eng.join_address_file or os.path.join(self.run_dir, "fleet.json"),
+                probe_interval_s=eng.attach_probe_interval_s, probe_failures=eng.attach_probe_failures,
+                on_leave=self.fleet_remove)
+            self.registry.start()
         return self.urls
 
     def teacher_engines_cfg(self) -> Any:
@@ -235,8 +181,8 @@ class RolloutRuntime:
             self._remote.engine_down(url, reason)
             return
         loop, proxy = self._loop, self._proxy
-        if loop is not None and proxy is not None and loop.is_running():
-            loop.call_soon_threadsafe(proxy.take_out, url, reason)
+        if loop is not None and proxy is not None and loop.is_running():  # not one that left the fleet
+            loop.call_soon_threadsafe(lambda: proxy.take_out(url, reason) if url.rstrip("/") in proxy.urls else None)
 
     def take_restarted(self) -> tuple[list[str], list[float]]:
         """Engines restarted since the last call (URLs) and their restart seconds."""
@@ -326,6 +272,7 @@ class RolloutRuntime:
                 if self.synced_version is not None:  # before any request: which weights (adapter) to name
                     proxy.note_external_sync(str(self.synced_version))
                 self._proxy = proxy
+                proxy.set_min_engines(self.engines_cfg.min_engines)
                 teacher = None
                 if self.distill is not None:
                     from megatron_flash.rollout.teacher import TeacherScorer
@@ -358,6 +305,8 @@ class RolloutRuntime:
             reward_pool.close()
 
     def stop(self) -> None:
+        if self.registry is not None:
+            self.registry.stop()
         if self._remote is not None:
             if TRACER.enabled:  # the rollout process's last events
                 try:
@@ -407,18 +356,40 @@ class RolloutRuntime:
         elif self.scheduler is not None:
             self.scheduler.requeue_prompt(group)
 
-    def note_sync(self, version: int, failed: dict[str, str]) -> None:
-        """After a push: the proxy learns the fleet version and stops routing to failed engines."""
+    def note_sync(self, version: int, failed: dict[str, str], joined: tuple[str, ...] = ()) -> None:
+        """After a push: the proxy learns the fleet version and stops routing to failed engines, and
+        routes to the engines that `joined` with this push (they hold it and passed the probe)."""
         if self._remote is not None:
-            self._remote.call("runtime", "note_sync", version, failed)
+            self._remote.call("runtime", "note_sync", version, failed, tuple(joined))
             return
         if self._loop is None or self._proxy is None or not self._loop.is_running():
             return
+        eng = self.engines_cfg
 
         async def note() -> None:
             self._proxy.note_external_sync(str(version), failed=failed)
+            for url in joined:
+                if url not in self._proxy.urls:
+                    self._proxy.add_engine(url, api_key=eng.api_key, request_timeout_s=eng.request_timeout_s)
 
         asyncio.run_coroutine_threadsafe(note(), self._loop).result(timeout=30)
+
+    def fleet_remove(self, url: str, why: str) -> int:
+        """An engine left the fleet (rollout/fleet.py): no request goes to it again, and the ones it was
+        serving go to other engines; returns how many. Any thread."""
+        if self._remote is not None:
+            return self._remote.call("runtime", "fleet_remove", url, why)
+        if self._loop is None or self._proxy is None or not self._loop.is_running():
+            return 0
+
+        async def remove() -> int:
+            return self._proxy.remove_engine(url, why)
+
+        return asyncio.run_coroutine_threadsafe(remove(), self._loop).result(timeout=30)
+
+    def fleet_metrics(self) -> dict[str, float]:
+        """engines_joined / engines_left / requests_reissued (since the start) and the fleet size."""
+        return {} if self.registry is None else self.registry.take_counts()
 
     def take_metrics(self) -> tuple[RolloutStats, dict[str, float]]:
         """This window's rollout counters and the proxy's engine metrics; starts a new window."""
@@ -426,7 +397,7 @@ class RolloutRuntime:
             stats, engine = self._remote.call("runtime", "take_metrics")
             if engine and self.launcher is not None:
                 engine["engine_restarts"] = float(len(self.launcher.restarts))
-            return stats, engine
+            return stats, {**engine, **self.fleet_metrics()} if engine else engine
         if self._loop is None or self.scheduler is None or not self._loop.is_running():
             return RolloutStats(), {}
 
@@ -437,6 +408,7 @@ class RolloutRuntime:
             idle = [e.idle_fraction for e in m.engines if e.healthy]
             out = {"engine_idle_frac": sum(idle) / len(idle) if idle else 1.0,
                    "engines_healthy": float(sum(e.healthy for e in m.engines)), "proxy_retried": float(m.retried),
+                   "fleet_size": float(len(m.engines)), "proxy_reissued": float(m.reissued), **self.fleet_metrics(),
                    "engine_restarts": float(len(self.launcher.restarts) if self.launcher is not None else 0)}
             for i, e in enumerate(m.engines):  # requests each engine completed this window
                 out[f"engine{i}_requests"] = float(e.completed)

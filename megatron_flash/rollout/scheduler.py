@@ -61,12 +61,11 @@ class SchedulerSettings:
     """With replication: samples per request (1 = one request per sample)."""
     max_resumes: int = 16
     engine_down_deadline_s: float = 120.0
-    """Stop the run when no request has succeeded for this long while requests keep failing."""
+    """Stop the run when no request succeeded for this long while requests fail (or below engines.min_engines)."""
     return_routed_experts: bool = False
     """Ask the engines for the MoE experts of every token (routing replay); a reply without them stops the run."""
     overlong_buffer_len: int = 0
-    overlong_penalty: float = 1.0
-    """DAPO's soft overlong penalty (see `overlong_penalty`)."""
+    overlong_penalty: float = 1.0  # DAPO's soft overlong penalty (see `overlong_penalty`)
     max_prompt_retries: int = 3
     """Times a prompt whose group failed on the engines is re-queued before it is skipped."""
 
@@ -370,6 +369,8 @@ class RolloutScheduler:
         if self._fatal is None and since is not None and now - since > self.settings.engine_down_deadline_s:
             self._fatal = RolloutError(f"no rollout request succeeded for {self.settings.engine_down_deadline_s:.0f} s "
                                        f"(engines down?); last error: {self._last_error}")
+        short = getattr(self.proxy, "fleet_short", lambda *_: None)(now, self.settings.engine_down_deadline_s)
+        self._fatal = self._fatal or (RolloutError(short) if short else None)  # below engines.min_engines too long
 
     def _params(self, remaining: int) -> dict[str, Any]:
         params = {**self.settings.sampling_params, "max_new_tokens": remaining}

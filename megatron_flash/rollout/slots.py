@@ -54,11 +54,14 @@ class ProxyMetrics:
     retried: int
     aborted: int
     window_s: float
+    reissued: int = 0
+    """Requests taken off an engine that left the fleet and sent to another (same rid)."""
 
     def as_dict(self, prefix: str = "proxy") -> Dict[str, float]:
         """Flat scalars for a logger: proxy/queue_len, proxy/engine0/busy_fraction, ..."""
         out = {f"{prefix}/queue_len": self.queue_len, f"{prefix}/completed": self.completed,
-               f"{prefix}/retried": self.retried, f"{prefix}/aborted": self.aborted}
+               f"{prefix}/retried": self.retried, f"{prefix}/aborted": self.aborted,
+               f"{prefix}/reissued": self.reissued}
         for i, e in enumerate(self.engines):
             for name in ("inflight", "max_inflight", "completed", "failures", "busy_fraction",
                          "idle_fraction", "idle_while_queued_fraction"):
@@ -100,10 +103,15 @@ class EngineSlots:
         self.queued: Dict[str, _Waiter] = {}
         self.paused = False
         """No slot is handed out while paused (the engines are paused by the proxy)."""
+        self.min_engines = 1
+        """No slot is handed out while fewer engines than this are healthy (engines.min_engines): the run
+        waits for the fleet to grow back rather than pile its rollout on what is left."""
         self._rotation = itertools.count()
         self.reset_metrics()
 
     def _pick(self, slots: int = 1) -> Optional[EngineState]:
+        if self.min_engines > 1 and sum(e.healthy for e in self.engines) < self.min_engines:
+            return None
         free = [e for e in self.engines if e.healthy and e.inflight + slots <= self.max_inflight_per_engine]
         if not free:
             return None
@@ -184,6 +192,20 @@ class EngineSlots:
             self.queued.pop(waiter.rid, None)
             if not waiter.future.done():
                 waiter.future.set_result(None)
+
+    def add(self, client: EngineClient, *, healthy: bool) -> EngineState:
+        """A new engine (it joined the fleet); its slots go to the waiters at once when healthy."""
+        self.tick()
+        engine = EngineState(client, healthy=healthy)
+        self.engines.append(engine)
+        self.dispatch()
+        return engine
+
+    def remove(self, engine: EngineState) -> None:
+        """Out of the fleet: no slot of it is handed out again (its in-flight requests still release theirs)."""
+        self.tick()
+        self.engines.remove(engine)
+        self.dispatch()  # min_engines may hold the queue now, or free engines take what waits
 
     def resume(self) -> None:
         """Hand out slots again after a pause."""

@@ -146,9 +146,23 @@ class WeightBridge:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def sync(self, version: int, *, only: Optional[Sequence[str]] = None) -> SyncReport:
+    def remove(self, urls: Sequence[str]) -> None:
+        """Engines that left the fleet: no push goes to them again (nothing of them is kept). Every rank,
+        the same list."""
+        urls = [u.rstrip("/") for u in urls]
+        self.transport.forget(urls)
+        self.delta.forget(urls)
+        if self.memory is not None:
+            self.memory.forget(urls)
+        for url in urls:
+            self.failed.pop(url, None)
+            if url in self.urls:
+                self.urls.remove(url)
+
+    def sync(self, version: int, *, only: Optional[Sequence[str]] = None, trial: Sequence[str] = ()) -> SyncReport:
         """Push the current weights as `version` to every engine in service (`only`: to those of them).
-        Collective: all ranks."""
+        `trial`: engines joining the fleet; one that fails the probe is taken out instead of failing the
+        push. Collective: all ranks."""
         t0 = time.perf_counter()
         self._probe_adapter = lora_adapter_name(version) if self.lora == "adapter" else None
         targets = [u for u in self.urls if only is None or u in only]
@@ -181,34 +195,35 @@ class WeightBridge:
             report.seconds = time.perf_counter() - t0
             return WeightSyncError(f"weight sync to version {version}: {message}", report=report)
 
-        if errors and (self.fail_fast or not report.synced_urls):
+        if errors and ((self.fail_fast and not set(errors) <= set(trial)) or not report.synced_urls):
             raise fail("engine(s) taken out of service: " + "; ".join(f"{u}: {m}" for u, m in errors.items()))
         if self.probe_enabled:
             t1 = time.perf_counter()
-            report.max_abs_logprob_diff, report.mean_abs_logprob_diff, worst, lost = self.probe(report.synced_urls)
+            report.max_abs_logprob_diff, report.mean_abs_logprob_diff, worst, lost = self.probe(report.synced_urls, trial)
             report.probe_seconds = time.perf_counter() - t1
             self._take_out({u: f"post-sync probe: {m}" for u, m in lost.items()})
             for url in lost:  # died between its sync and the probe: out, like a failed sync
                 report.synced_urls.remove(url)
                 report.failed_urls.append(url)
                 report.errors[url] = self.failed[url]
-            if lost and self.fail_fast:
+            if lost and self.fail_fast and not set(lost) <= set(trial):
                 raise fail("engine(s) taken out of service: "
                            + "; ".join(f"{u}: {m}" for u, m in report.errors.items()))
-            if report.mean_abs_logprob_diff > self.probe_threshold:
+            if report.mean_abs_logprob_diff > self.probe_threshold:  # NaN: only refused joiners were probed
                 raise fail(f"post-sync probe failed on {worst}: mean |Δ logprob| {report.mean_abs_logprob_diff:.4g} "
                            f"(max {report.max_abs_logprob_diff:.4g}) > probe_threshold {self.probe_threshold:g}: "
                            "the engine does not serve the trainer's weights")
         report.seconds = time.perf_counter() - t0
         return report
 
-    def probe(self, urls: Sequence[str]) -> tuple[float, float, str, dict[str, str]]:
+    def probe(self, urls: Sequence[str], trial: Sequence[str] = ()) -> tuple[float, float, str, dict[str, str]]:
         """Teacher-forced logprobs of fixed sequences: trainer (all ranks) vs every engine in `urls`
         (rank 0). Returns (max, mean, worst url, {url: error} of engines that could not answer), the
         same on every rank; raises when none answered. Collective."""
         with TRACER.span("probe", "sync", TRAINER, engines=len(urls)):
             result = from_rank0(probe_lib.run_probe(self.policy, urls, api_key=self.api_key, timeout_s=self.timeout_s,
-                                                    rank0=self.rank0, lora_name=self._probe_adapter))
+                                                    rank0=self.rank0, lora_name=self._probe_adapter,
+                                                    trial=trial, threshold=self.probe_threshold))
         if isinstance(result, str):
             raise WeightSyncError(result)
         return result

@@ -75,10 +75,13 @@ async def engine_logprobs(url: str, tokens: torch.Tensor, prompt_len: int, *, ap
 
 
 def run_probe(policy: Any, urls: Sequence[str], *, api_key: Optional[str], timeout_s: float,
-              rank0: bool, lora_name: Optional[str] = None) -> Any:
+              rank0: bool, lora_name: Optional[str] = None, trial: Sequence[str] = (),
+              threshold: float = float("inf")) -> Any:
     """Trainer (every rank, collective) vs every engine in `urls` (rank 0 asks them). On rank 0:
     (max, mean, worst url, {url: error} of engines that could not answer), or a message (str) when
-    the probe could not run at all; None on other ranks. The caller broadcasts the result."""
+    the probe could not run at all; None on other ranks. The caller broadcasts the result.
+    Engines in `trial` (joining the fleet) that miss `threshold` are among those that could not
+    answer, with the numbers, instead of failing the probe: a wrong engine is refused, the run goes on."""
     from megatron_flash.types import TrainBatch
 
     tokens = probe_tokens(policy.spec.vocab_size)
@@ -104,7 +107,13 @@ def run_probe(policy: Any, urls: Sequence[str], *, api_key: Optional[str], timeo
             if isinstance(out, BaseException):
                 raise out
             mx, mean = logprob_diffs(trainer, out, PROMPT_LEN)
+            if url in trial and not mean <= threshold:
+                lost[url] = (f"post-sync probe: mean |Δ logprob| {mean:.4g} (max {mx:.4g}) > probe_threshold "
+                             f"{threshold:g}: it does not serve the trainer's weights (another model?)")
+                continue
             worst = max(worst, (mean, mx, url))
+        if lost and set(lost) <= set(trial) and worst[2] == "":  # only joining engines, all refused
+            return float("nan"), float("nan"), "", lost
         if len(lost) == len(urls):
             return "post-sync probe could not run: no engine answered: " + "; ".join(f"{u}: {m}" for u, m in lost.items())
         return worst[1], worst[0], worst[2], lost

@@ -60,7 +60,7 @@ def runs(mask: list[int]) -> list[tuple[int, int, int]]:
 def test_agentic_run_trains_only_the_action_tokens(tiny_models, tmp_path) -> None:
     import transformers
 
-    from megatron_flash.rollout.runtime import read_group_dump
+    from megatron_flash.rollout.group_dump import read_group_dump
     from megatron_flash.types import collate
 
     run_dir, dump = str(tmp_path / "run"), str(tmp_path / "groups.jsonl")

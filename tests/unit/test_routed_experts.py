@@ -13,7 +13,7 @@ import torch
 from megatron_flash.config import load_config
 from megatron_flash.engines.client import MalformedReply, parse_generate_reply
 from megatron_flash.engines.launcher import EngineLauncher
-from megatron_flash.rollout.runtime import GroupDump, read_group_dump
+from megatron_flash.rollout.group_dump import GroupDump, read_group_dump
 from megatron_flash.trainer.micro_batches import BatchingOptions, build_micro_batches
 from megatron_flash.trainer.routing_replay import fill_unrouted
 from megatron_flash.types import Group, Sample, collate, decode_routes, encode_routes

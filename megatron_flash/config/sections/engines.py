@@ -81,8 +81,31 @@ class EngineConfig(_Section):
     """backend=attach: this many failed /health probes in a row (5 s timeout each) take the engine out of
     routing; when it answers again it is synced at the next push and re-admitted."""
 
+    min_engines: int = 1
+    """The run goes on while at least this many engines are healthy; below it no request is dispatched
+    (the rollout waits for engines to come back or join) and after engines.down_timeout_s the run stops
+    with one line naming every engine and why it is out. At most engines.num_engines (the start)."""
+    join_port: int = 0
+    """> 0: engines may join this run while it trains, and leave it (rollout/fleet.py; docs/cluster.md
+    "An elastic rollout fleet"): trainer rank 0 serves registration on this port, authenticated with
+    engines.api_key. 0 = the fleet is the engines the run starts with."""
+    join_host: str = "127.0.0.1"
+    """Interface the registration endpoint binds; `node` = this node's address (multi-node template)."""
+    join_address_file: str = ""
+    """Where the endpoint's URL is written for workers to find (launch/fleet_worker.py); "" = {run_dir}/fleet.json."""
+
     def validate(self) -> None:
         self._one_of("backend", ENGINE_BACKENDS)
+        self._at_least("min_engines", 1)
+        self._require(self.min_engines <= self.num_engines, "min_engines",
+                      f"must be <= engines.num_engines={self.num_engines}: the run starts with the engines it has")
+        self._require(0 <= self.join_port <= 65535, "join_port", "must be a port in 1..65535, or 0 (no joins)")
+        if self.join_port:
+            self._require(bool(self.api_key), "join_port", "needs engines.api_key: registration is authenticated "
+                          "with the run's key, and the engines that join must require it too")
+            self._require(not self.colocate, "join_port", "cannot be used with engines.colocate=true (engines "
+                          "from other hosts cannot share the trainer's GPUs)")
+            self._require(bool(self.join_host), "join_host", "must be a host name, an address, or `node`")
         self._one_of("dtype", ENGINE_DTYPES)
         if self.dtype:
             self._require(not any(str(k).lstrip("-").replace("_", "-") == "dtype" for k in self.server_args),

@@ -44,6 +44,7 @@ class Worker:
         self.engines = [u.rstrip("/") for u in args.engine]
         self.registered: set[str] = set()
         self.stopping = False
+        self.ended = False
 
     def registry(self) -> Optional[str]:
         try:
@@ -81,6 +82,9 @@ class Worker:
         """Register every engine that is up and not in the fleet (first time, or lost/refused since)."""
         base = self.registry()
         if base is None:
+            if self.registered:  # the run removed its address file: it ended
+                log("the run's address file is gone: the run ended")
+                self.stopping = self.ended = True
             return
         try:
             states = self.states(base)
@@ -161,7 +165,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except Refused as error:
         log(f"the run refused this worker's key: {error}")
         return 3
-    worker.leave(args.reason)
+    if not worker.ended:
+        worker.leave(args.reason)
     return 0
 
 

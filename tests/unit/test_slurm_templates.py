@@ -81,7 +81,8 @@ def _resolved(node: "render.NodeCommand") -> dict:
 
 # ---------------------------------------------------------------------------------------- the files
 def test_templates_exist() -> None:
-    assert [t.stem for t in TEMPLATES] == ["multi_node_disaggregated", "single_node_colocated", "single_node_split"]
+    assert [t.stem for t in TEMPLATES] == ["multi_node_disaggregated", "rollout_workers", "single_node_colocated",
+                                           "single_node_split"]
 
 
 @pytest.mark.parametrize("path", [*TEMPLATES, SLURM / "common.sh"], ids=lambda p: p.name)
@@ -171,6 +172,45 @@ def test_multi_node_engine_steps_run_each_printed_command_under_the_restart_loop
             assert loop[3] == f"logs/slurm/4242/engine-{host}-{i}.log"
             assert loop[4] == text  # the server command, the key still a variable for the node
         assert SECRET not in step
+
+
+def test_multi_node_trainer_takes_workers_unless_fleet_port_is_0(rendered: Dict) -> None:
+    (trainer, _) = rendered["multi_node_disaggregated"].role("trainer")
+    assert _override(trainer, "engines.join_port") == 29700 and _override(trainer, "engines.join_host") == "node"
+    assert _override(trainer, "engines.join_address_file") == "logs/slurm/4242/fleet.json"
+    assert _resolved(trainer)["engines"]["join_port"] == 29700  # a config the trainer accepts
+    off = _render("multi_node_disaggregated", "gpu[01-04]", TRAIN_NODES="2", FLEET_PORT="0")
+    assert not any(w.startswith("engines.join_port=") for w in off.role("trainer")[0].script_args)
+    with pytest.raises(render.RenderError, match="FLEET_PORT must be an integer"):
+        _render("multi_node_disaggregated", "gpu[01-04]", TRAIN_NODES="2", FLEET_PORT="x")
+
+
+def test_rollout_workers_start_engines_and_a_worker_per_node_for_the_training_job() -> None:
+    """TRAIN_JOB=77: every node runs GPUS_PER_NODE / ENGINE_TP engines under the restart loop and one
+    launch/fleet_worker.py naming them and the training job's address file; the key stays a variable."""
+    import shlex
+
+    r = _render("rollout_workers", "spot[1-2]", TRAIN_JOB="77")
+    sglang = EngineCommand.sglang(python="python")
+    for host in ("spot1", "spot2"):
+        engines = [n for n in r.role("engine") if n.host == host]
+        assert [n.argv for n in engines] == [sglang.build(model_path=MODEL, host=host, port=30000 + i, tp_size=2,
+                                                          api_key="$SGLANG_API_KEY") for i in range(4)]
+        (worker,) = [n for n in r.role("worker") if n.host == host]
+        assert worker.argv == ["python", "launch/fleet_worker.py", "--address-file", "logs/slurm/77/fleet.json",
+                               *[w for i in range(4) for w in ("--engine", f"http://{host}:{30000 + i}")],
+                               "--tp-size", "2", "--serves", MODEL, "--poll-s", "2"]
+        (step,) = [s for s in r.steps if s.startswith(f"srun --nodes=1 --ntasks=1 --nodelist={host} ")]
+        script = shlex.split(step.rstrip(" &"))[-1]
+        assert script.count("engine_loop.sh") == 4 and worker.text in script
+        assert script.index("trap stop TERM USR1 INT") < script.index("engine_loop.sh")  # before anything starts
+        assert SECRET not in step
+    by_file = _render("rollout_workers", "spot1", FLEET_ADDRESS="/shared/run/fleet.json", ENGINE_TP="8")
+    assert by_file.role("worker")[0].argv[3] == "/shared/run/fleet.json" and len(by_file.role("engine")) == 1
+    with pytest.raises(render.RenderError, match="set TRAIN_JOB"):
+        _render("rollout_workers", "spot1")
+    with pytest.raises(render.RenderError, match="TRAIN_JOB must be a Slurm job id"):
+        _render("rollout_workers", "spot1", TRAIN_JOB="../x")
 
 
 def test_engine_loop_restarts_a_server_up_to_max_then_gives_up(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ import pytest
 from tests.cluster.jobs import CLUSTER, WARM_MODEL
 from tests.conftest import REPO
 
-HOSTS = 3
+HOSTS = 5
 
 
 def _why_not() -> str | None:

@@ -13,6 +13,13 @@ Model and simulator: megatron_flash/planner/ (models, simulation, admission, eng
 prints staleness per sample (V − start version) and per token (V − the version that sampled it), the mean
 admission lookahead L and the trainer's wait for rollout per step (--admission: the product's rule).
 Last line: a JSON object.
+
+Fleet size (a running job whose rollout fleet grows: engines from other allocations join it; the train GPUs
+stay). `--fleet-sizes 1,2,4,8` (engines) or `--fleet-nodes 1,2,4` (nodes of --engines-per-node engines)
+prints per fleet size the predicted rollout, train, push and step seconds, samples/s and the bottleneck;
+`--add-nodes` answers how many rollout nodes to add to the current fleet (--engines, default the recommended
+split's) before step time stops improving by more than --add-nodes-threshold %. The train GPUs are
+--train-gpus (default the recommended split's). JSON: `fleet` and `add_nodes`. Model: megatron_flash/planner/fleet.py.
 """
 
 from __future__ import annotations
@@ -92,6 +99,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a("--steps", type=int, default=30)
     a("--seed", type=int, default=0)
     a("--png", default="", help="write speedup vs split and vs α here")
+    a("--fleet-sizes", default="", help="rollout fleet sizes in engines, e.g. 1,2,4,8: step time vs fleet")
+    a("--fleet-nodes", default="", help="rollout fleet sizes in nodes (× --engines-per-node), e.g. 1,2,4")
+    a("--engines-per-node", type=int, default=0, help="engines a rollout node holds (0: 8 GPUs / --engine-tp)")
+    a("--engines", type=int, default=0, help="the current rollout fleet in engines (0: the recommended split's)")
+    a("--train-gpus", type=int, default=0, help="train GPUs of the fleet table (0: the recommended split's)")
+    a("--add-nodes", action="store_true", help="how many rollout nodes to add to --engines before step time stops "
+                                                 "improving by more than --add-nodes-threshold")
+    a("--add-nodes-threshold", type=float, default=5.0,
+      help="percent: the answer is the fewest nodes after which no larger fleet is faster by more than this")
+    a("--max-add-nodes", type=int, default=16, help="scan at most this many extra nodes")
+    a("--push-s-per-engine", type=float, default=0.0,
+      help="seconds each engine adds to every push (0: broadcast/disk reach all engines in one push)")
     args = p.parse_args(argv)
     if args.config:
         import yaml
@@ -104,7 +123,34 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                 raise ValueError(f"{args.config}: unknown key {k!r}")
             if k not in given:
                 setattr(args, k, v)
+    check_fleet_args(p, args)
     return args
+
+
+def _counts(p: argparse.ArgumentParser, flag: str, value) -> list[int]:
+    """'1,2,4' (or a YAML list) → [1, 2, 4]; anything but positive integers is refused naming the flag (exit 2)."""
+    items = value if isinstance(value, list) else str(value).split(",")
+    if not all(isinstance(x, (int, str)) and not isinstance(x, bool) and str(x).strip().isdigit()
+               and int(str(x).strip()) >= 1 for x in items) or not items:
+        p.error(f"{flag} {value!r}: expected positive integers separated by commas, e.g. 1,2,4,8")
+    return [int(str(x).strip()) for x in items]
+
+
+def check_fleet_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.fleet_sizes and args.fleet_nodes:
+        p.error("--fleet-sizes and --fleet-nodes: give one (engines or nodes)")
+    for flag in ("engines_per_node", "engines", "train_gpus"):
+        if not isinstance(getattr(args, flag), int) or getattr(args, flag) < 0:
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)!r}: expected an integer ≥ 0 (0: the default)")
+    if not isinstance(args.max_add_nodes, int) or args.max_add_nodes < 1:
+        p.error(f"--max-add-nodes {args.max_add_nodes!r}: expected an integer ≥ 1")
+    if not 0 < args.add_nodes_threshold < 100:
+        p.error(f"--add-nodes-threshold {args.add_nodes_threshold!r}: expected a percentage in (0, 100)")
+    if args.push_s_per_engine < 0:
+        p.error(f"--push-s-per-engine {args.push_s_per_engine!r}: expected seconds ≥ 0")
+    args.engines_per_node = args.engines_per_node or max(1, 8 // max(1, args.engine_tp))
+    args.fleet = ([n * args.engines_per_node for n in _counts(p, "--fleet-nodes", args.fleet_nodes)]
+                  if args.fleet_nodes else _counts(p, "--fleet-sizes", args.fleet_sizes) if args.fleet_sizes else [])
 
 
 def measured_times(path: str, skip: int = 3) -> dict[str, float]:
@@ -115,11 +161,16 @@ def measured_times(path: str, skip: int = 3) -> dict[str, float]:
     return {k: statistics.median(float(r[k]) for r in rows if k in r) for k in keys if any(k in r for r in rows)}
 
 
-def build(args: argparse.Namespace):
+def model_gpu(args: argparse.Namespace) -> tuple[planner.ModelSpec, planner.GPUSpec]:
     model = planner.ModelSpec(num_params=args.params, num_layers=args.layers, hidden_size=args.hidden,
                               num_kv_heads=args.kv_heads, head_dim=args.head_dim)
     gpu = planner.GPUSpec.from_name(args.gpu, flops=args.gpu_flops, hbm_gbs=args.gpu_hbm_gbs,
                                     mem_gb=args.gpu_mem_gb, link_gbs=args.gpu_link_gbs)
+    return model, gpu
+
+
+def build(args: argparse.Namespace):
+    model, gpu = model_gpu(args)
     if args.lengths == "lognormal":
         lengths = planner.lognormal_lengths(args.len_mean, args.len_sigma, args.max_len)
     elif args.lengths == "inv_k":
@@ -174,11 +225,15 @@ def apply_measured(args, work, costs):
     return m
 
 
+def sim_options(args) -> dict:
+    """simulate's keywords from the flags, besides the work, the costs, the split and α."""
+    return dict(num_steps=args.steps, scheduling=args.scheduling, prompt_replication=not args.no_prompt_replication,
+                extra_groups=args.extra_groups, replication_chunk=args.replication_chunk, env_mode=args.env_mode,
+                admission=args.admission, min_lookahead=args.min_lookahead, seed=args.seed)
+
+
 def evaluate(args, work, costs) -> dict:
-    common = dict(work=work, costs=costs, num_steps=args.steps, scheduling=args.scheduling,
-                  prompt_replication=not args.no_prompt_replication, extra_groups=args.extra_groups,
-                  replication_chunk=args.replication_chunk,
-                  env_mode=args.env_mode, admission=args.admission, min_lookahead=args.min_lookahead, seed=args.seed)
+    common = dict(work=work, costs=costs, **sim_options(args))
     G, tp, unit = args.total_gpus, args.engine_tp, args.train_unit
     base = planner.simulate(num_engines=max(1, G // tp), train_gpus=G, alpha=0, colocated=True, **common)
     rows = []
@@ -201,6 +256,86 @@ def evaluate(args, work, costs) -> dict:
         alphas[a] = base.sec_per_step / r.sec_per_step
     return {"baseline": {"sec_per_step": base.sec_per_step, "samples_per_s": base.samples_per_s,
                          "idle": base.train_idle_frac}, "rows": rows, "best": best, "speedup_vs_alpha": alphas}
+
+
+def evaluate_fleet(args, work, costs, out) -> dict:
+    """--fleet-sizes / --fleet-nodes and --add-nodes on the planner's fleet model (planner/fleet.py)."""
+    train = args.train_gpus or out["best"]["train_gpus"]
+    current = args.engines or max(1, out["best"]["rollout_gpus"] // args.engine_tp)
+    cache: dict[int, planner.FleetPoint] = {}
+
+    def point(engines: int) -> planner.FleetPoint:
+        if engines not in cache:
+            cache[engines] = planner.fleet_point(work=work, costs=costs, engines=engines, train_gpus=train,
+                                                 engines_per_node=args.engines_per_node, alpha=args.alpha,
+                                                 push_s_per_engine=args.push_s_per_engine, **sim_options(args))
+        return cache[engines]
+
+    res: dict = {"train_gpus": train}
+    if args.fleet:
+        res["fleet"] = [point(e) for e in args.fleet]
+    if args.add_nodes:
+        model, gpu = model_gpu(args)
+        res["add_nodes"] = planner.add_nodes(point, current_engines=current, engines_per_node=args.engines_per_node,
+                                             threshold=args.add_nodes_threshold / 100, max_add=args.max_add_nodes,
+                                             join_s=planner.join_push_s(model, gpu, args.sync_overhead_s))
+    return res
+
+
+def fleet_row(x: planner.FleetPoint) -> dict:
+    return {"engines": x.engines, "nodes": x.nodes, "rollout_s": round(x.rollout_s, 3), "train_s": round(x.train_s, 3),
+            "push_s": round(x.push_s, 3), "step_s": round(x.step_s, 3), "samples_per_s": round(x.samples_per_s, 3),
+            "wait_s": round(x.wait_s, 3), "bound": x.bound}
+
+
+def print_fleet(args, res: dict) -> dict:
+    """Prints the fleet table and the add-nodes answer; their JSON fields."""
+    head = (f"{'engines':>7} {'nodes':>5} {'rollout s':>9} {'train s':>8} {'push s':>7} {'step s':>8} "
+            f"{'samples/s':>9} {'wait s':>7} {'bound':>7}")
+
+    def row(x: planner.FleetPoint, lead: str = "") -> str:
+        return (f"{lead}{x.engines:>7} {x.nodes:>5} {x.rollout_s:>9.2f} {x.train_s:>8.2f} {x.push_s:>7.2f} "
+                f"{x.step_s:>8.2f} {x.samples_per_s:>9.2f} {x.wait_s:>7.2f} {x.bound:>7}")
+
+    push = ("the same for any fleet" if not args.push_s_per_engine
+            else f"+ {args.push_s_per_engine:g} s per engine")
+    print(f"fleet: {res['train_gpus']} train GPUs, engines of {args.engine_tp} GPU(s), {args.engines_per_node} a node; "
+          f"α = {args.alpha}, {args.admission} admission; weight push {push}")
+    js: dict = {"fleet_train_gpus": res["train_gpus"]}
+    if "fleet" in res:
+        print(head)
+        for x in res["fleet"]:
+            print(row(x))
+        js["fleet"] = [fleet_row(x) for x in res["fleet"]]
+    if "add_nodes" in res:
+        a: planner.AddNodes = res["add_nodes"]
+        pct = f"{args.add_nodes_threshold:g} %"
+        print(f"add nodes to {a.current_engines} engines ({a.scanned[0].nodes} node(s)) "
+              f"until a larger fleet buys ≤ {pct}:")
+        print(f"{'+nodes':>6} " + head)
+        for k, x in enumerate(a.scanned):
+            print(row(x, f"{'+' + str(k):>6} "))
+        what = f"add {a.add_nodes} node(s) ({a.engines} engines)" if a.add_nodes else "add no nodes"
+        print(f"→ {what}: {a.step_s:.2f} s/step vs {a.base_step_s:.2f} now, {a.speedup:.2f}×; " + (
+            f"no larger fleet is more than {pct} faster (the trainer's floor: {a.floor_s:.2f} s/step)" if a.converged
+            else f"within the +{len(a.scanned) - 1} node(s) scanned (--max-add-nodes); still above the trainer's "
+                 f"floor {a.floor_s:.2f} s/step: more engines do not lift what holds the rollout (client, "
+                 "stragglers due, admission)"))
+        f = a.fastest
+        print(f"  fastest fleet scanned: +{f} node(s), {a.scanned[f].step_s:.2f} s/step, "
+              f"{a.base_step_s / a.scanned[f].step_s:.2f}×")
+        if a.add_nodes:
+            print(f"  joining engines get one whole push first (rollout/fleet.py): ≈ {a.join_push_s:.2f} s once, "
+                  f"on the step they join; the pushes after that cost the same as now")
+        js["add_nodes"] = {"current_engines": a.current_engines, "engines_per_node": a.engines_per_node,
+                           "threshold_pct": args.add_nodes_threshold, "add_nodes": a.add_nodes, "engines": a.engines,
+                           "nodes": a.scanned[a.add_nodes].nodes, "step_s": round(a.step_s, 3),
+                           "base_step_s": round(a.base_step_s, 3), "speedup": round(a.speedup, 3),
+                           "floor_s": round(a.floor_s, 3), "converged": a.converged,
+                           "join_push_s": round(a.join_push_s, 3),
+                           "fastest_scanned": {"add_nodes": f, "step_s": round(a.scanned[f].step_s, 3)},
+                           "scanned": [fleet_row(x) for x in a.scanned]}
+    return js
 
 
 def plot(path: str, out: dict, alpha: int) -> None:
@@ -241,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
           ", ".join(f"{a}: {s:.2f}" for a, s in out["speedup_vs_alpha"].items()))
     if args.png:
         plot(args.png, out, args.alpha)
+    fleet = print_fleet(args, evaluate_fleet(args, work, costs, out)) if args.fleet or args.add_nodes else {}
     print(json.dumps({"recommended": {"train_gpus": b["train_gpus"], "rollout_gpus": b["rollout_gpus"]},
                       "speedup": round(b["speedup"], 3), "sec_per_step": round(b["sec_per_step"], 3),
                       "staleness": round(b["staleness"], 3), "token_staleness": round(b["token_staleness"], 3),
@@ -248,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                       "admission": args.admission,
                       "baseline_sec_per_step": round(out["baseline"]["sec_per_step"], 3),
                       "speedup_vs_alpha": {str(k): round(v, 3) for k, v in out["speedup_vs_alpha"].items()},
-                      "measured": measured, "png": args.png or None}))
+                      "measured": measured, "png": args.png or None, **fleet}))
     return 0
 
 

@@ -12,6 +12,8 @@ Sections (each a <section id=...> with one embedded PNG, or a line saying why th
   throughput   generated tokens/s and trained samples/s (and the trainer's tokens/s per GPU)
   mfu          train/mfu per step ("not reported" where the run has no known peak, e.g. on CPU)
   lengths      response lengths of trained vs dropped (stale, filtered) samples per step
+  fleet        engines in the rollout fleet per step, and how many joined and left (engines.join_port);
+               the summary adds min / max / last and the requests re-issued from engines that left
   config       the resolved config the run wrote (config.yaml)
 Images are PNGs (matplotlib, Agg) inlined as base64: the page opens offline, alone. The metrics are
 those of docs/observability.md. Last line printed: the report's path.
@@ -28,7 +30,8 @@ import os
 import sys
 from typing import Any, Callable, Optional
 
-SECTIONS = ("reward", "eval", "staleness", "stage-times", "engine-busy", "throughput", "mfu", "lengths", "config")
+SECTIONS = ("reward", "eval", "staleness", "stage-times", "engine-busy", "throughput", "mfu", "lengths", "fleet",
+            "config")
 STAGES = (("wait", "batch wait (time_rollout_wait)"), ("train", "π_prox + optimizer steps (time_train)"),
           ("sync", "weight push (time_sync − time_probe)"), ("probe", "post-sync probe (time_probe)"),
           ("other", "evaluation, logging (the rest of time_step)"))
@@ -187,8 +190,20 @@ def figures(rows: list[dict], evals: list[dict]) -> dict[str, tuple[Optional[str
         ax.set(xlabel="step", ylabel="mean response length (tokens)")
         return None
 
+    def fleet(ax: Any) -> Optional[str]:
+        steps, size = series(rows, "fleet_size")
+        if not steps:
+            return "no fleet metrics (fleet_size)"
+        ax.step(steps, size, where="post", label="engines in the fleet")
+        for key, label in (("engines_joined", "joined (total)"), ("engines_left", "left or lost (total)")):
+            s_steps, values = series(rows, key)
+            if s_steps:
+                ax.plot(s_steps, values, ".-", label=label)
+        ax.set(xlabel="step", ylabel="engines")
+        return None
+
     draws = {"reward": reward, "eval": evaluation, "staleness": staleness, "stage-times": stages,
-             "engine-busy": busy, "throughput": throughput, "mfu": mfu, "lengths": lengths}
+             "engine-busy": busy, "throughput": throughput, "mfu": mfu, "lengths": lengths, "fleet": fleet}
     return {name: _png(draw) for name, draw in draws.items()}
 
 
@@ -196,6 +211,7 @@ def figures(rows: list[dict], evals: list[dict]) -> dict[str, tuple[Optional[str
 TITLES = {"reward": "Reward", "eval": "Evaluation", "staleness": "Staleness histogram",
           "stage-times": "Stage times per step", "engine-busy": "Engine busy fraction and pipeline overlap",
           "throughput": "Throughput", "mfu": "MFU", "lengths": "Lengths of trained vs dropped samples",
+          "fleet": "Rollout fleet",
           "config": "Config that ran"}
 STYLE = ("body{font-family:sans-serif;max-width:900px;margin:2em auto;color:#222}h1{font-size:1.4em}"
          "h2{font-size:1.1em;border-bottom:1px solid #ccc}table{border-collapse:collapse}"
@@ -213,7 +229,21 @@ def summary(rows: list[dict]) -> list[tuple[str, str]]:
             ("reward_mean, first / last 10% of steps", f"{mean('reward_mean', slice(0, tenth))} / "
                                                         f"{mean('reward_mean', slice(-tenth, None))}"),
             ("time_step (s), mean", mean("time_step")), ("tokens_per_s, mean", mean("tokens_per_s")),
-            ("pipeline/overlap, mean", mean("pipeline/overlap")), ("staleness_mean, mean", mean("staleness_mean"))]
+            ("pipeline/overlap, mean", mean("pipeline/overlap")), ("staleness_mean, mean", mean("staleness_mean")),
+            *fleet_summary(rows)]
+
+
+def fleet_summary(rows: list[dict]) -> list[tuple[str, str]]:
+    """The fleet's size over the run, and what joined, left and was re-issued (elastic fleet)."""
+    size = series(rows, "fleet_size")[1]
+    if not size:
+        return []
+    out = [("rollout fleet (engines): min / max / at the end", f"{min(size):g} / {max(size):g} / {size[-1]:g}")]
+    last = rows[-1]
+    if "engines_joined" in last:
+        out.append(("engines joined / left or lost, requests re-issued",
+                    f"{last['engines_joined']:g} / {last['engines_left']:g}, {last.get('requests_reissued', 0):g}"))
+    return out
 
 
 def build_report(run_dir: str) -> str:

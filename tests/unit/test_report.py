@@ -15,7 +15,7 @@ from tools import report
 
 TITLES = ("Reward", "Evaluation", "Staleness histogram", "Stage times per step",
           "Engine busy fraction and pipeline overlap", "Throughput", "MFU", "Lengths of trained vs dropped samples",
-          "Config that ran")
+          "Rollout fleet", "Config that ran")
 
 
 def write_run(path, *, mfu=None, evals=True) -> None:
@@ -25,7 +25,9 @@ def write_run(path, *, mfu=None, evals=True) -> None:
              "pipeline/overlap": 0.5 if s else 0.0, "tokens_per_s": 1000.0, "samples_per_s": 64.0,
              "train/mfu": mfu, "len_trained_mean": 5.0, "len_trained_n": 16, "len_dropped_stale_mean": None,
              "len_dropped_stale_n": 0, "len_dropped_filtered_mean": 7.0 if s == 2 else None,
-             "len_dropped_filtered_n": 8 if s == 2 else 0, "staleness/samples_0": 8, "staleness/samples_1": 8}
+             "len_dropped_filtered_n": 8 if s == 2 else 0, "staleness/samples_0": 8, "staleness/samples_1": 8,
+             "fleet_size": [1, 3, 3, 1][s], "engines_joined": [0, 2, 2, 2][s], "engines_left": [0, 0, 0, 2][s],
+             "requests_reissued": [0, 0, 0, 5][s]}
             for s in range(4)]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (path / "config.yaml").write_text("loss:\n  name: tis   # <kept verbatim>\n")
@@ -50,6 +52,7 @@ def test_every_section_with_its_figure(tmp_path) -> None:
         assert base64.b64decode(png).startswith(b"\x89PNG"), name
     assert "&lt;kept verbatim&gt;" in found["config"]  # escaped, not markup
     assert "no trace" in found["summary"]
+    assert "1 / 3 / 1" in found["summary"] and "2 / 2, 5" in found["summary"]  # min / max / end; joined / left
 
 
 def test_what_is_missing_is_said(tmp_path) -> None:

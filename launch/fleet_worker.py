@@ -45,6 +45,7 @@ class Worker:
         self.registered: set[str] = set()
         self.stopping = False
         self.ended = False
+        self.answering = True
 
     def registry(self) -> Optional[str]:
         try:
@@ -91,8 +92,13 @@ class Worker:
         except Refused:
             raise
         except Exception as error:  # noqa: BLE001 - the run may be between steps or gone: retry
-            log(f"the run at {base} does not answer: {error}")
+            if self.answering:  # once per outage, not every poll
+                log(f"the run at {base} does not answer: {error}; trying again every {self.args.poll_s:g} s")
+            self.answering = False
             return
+        if not self.answering:
+            log(f"the run at {base} answers again")
+        self.answering = True
         for url in self.engines:
             state = states.get(url)
             if state in ("pending", "syncing", "serving"):

@@ -45,7 +45,7 @@ def test_workers_join_leave_and_are_lost_without_losing_a_sample(cluster, warm_m
               ["trainer.total_steps=400", "data.shuffle=false", f"async_rl.alpha={ALPHA}",
                "engines.max_inflight_per_engine=16", f"engines.attach_probe_interval_s={PROBE_S}",
                f"engines.attach_probe_failures={PROBE_FAILURES}", "engines.down_timeout_s=120",
-               "weight_sync.timeout_s=30", "engines.request_timeout_s=30"], sbatch_args=["--nodes=2"])
+               "weight_sync.timeout_s=15", "engines.request_timeout_s=30"], sbatch_args=["--nodes=2"])
     job.submit()
     address = os.path.join(job.run_dir, "slurm", "fleet.json")
     workers: list[Job] = []

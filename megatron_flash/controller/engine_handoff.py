@@ -38,8 +38,10 @@ def sync_metrics(report: Any) -> dict[str, float]:
 
 class EngineHandoff:
     def __init__(self, bridge: Optional["WeightBridge"], runtime: Optional["RolloutRuntime"], *, rank: int,
-                 broadcast: Callable[[Any], Any]) -> None:
+                 broadcast: Callable[[Any], Any], fleet: bool = False) -> None:
         self.bridge = bridge
+        self.fleet = fleet
+        """engines.join_port: engines join and leave between pushes (one more broadcast a push)."""
         self.runtime = runtime if rank == 0 else None
         self.broadcast = broadcast
         self._release_metrics: dict[str, float] = {}
@@ -88,6 +90,8 @@ class EngineHandoff:
         """engines.join_port: engines that left the fleet since the last push are dropped from the
         bridge, and the ones that registered join this push (whole weights, then the probe). Collective:
         rank 0's registry decides, every rank applies the same lists."""
+        if not self.fleet:
+            return []
         registry = getattr(self.runtime, "registry", None)
         changes = (registry.take_pending(), registry.take_gone()) if registry is not None else ([], [])
         joining, gone = self.broadcast(changes)

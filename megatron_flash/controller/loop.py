@@ -186,7 +186,8 @@ class Controller:
             self.replay = read_group_dump(cfg.trainer.replay_path)
         if self.mode.generates:
             self._start_generating()
-        self.handoff = EngineHandoff(self.bridge, self.runtime, rank=self.rank, broadcast=self._broadcast)
+        self.handoff = EngineHandoff(self.bridge, self.runtime, rank=self.rank, broadcast=self._broadcast,
+                                     fleet=cfg.engines.join_port > 0)
         if self.mode.generates:
             self.maybe_evaluate(self.start_step)  # before training (or where a resumed run starts)
             install_sigterm_flag()  # after the launcher's own handler, which it chains to on a second signal

@@ -109,6 +109,7 @@ class LLMProxy(FleetOps):
         self._cut: Set[str] = set()  # generate_n rids whose call the proxy cancelled after an abort
         self._calls: Dict[str, asyncio.Future] = {}  # rid → its engine call now in flight
         self._evicted: Set[str] = set()  # rids whose call was cancelled because their engine left
+        self._removed: List[EngineState] = []  # engines that left the fleet (their clients closed at close())
         self._trace_name = trace_name
         self._next_track = len(self._engines)
         self._closed = False
@@ -153,7 +154,7 @@ class LLMProxy(FleetOps):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
             self._health_task = None
-        for e in self._engines:
+        for e in [*self._engines, *self._removed]:
             await e.client.close()
 
     # -- generation -----------------------------------------------------------------------------
@@ -254,6 +255,9 @@ class LLMProxy(FleetOps):
                 engine = await self._slots.acquire(rid, slots)
                 if engine is None:
                     return aborted("aborted by the proxy before dispatch")
+                if engine not in self._engines:  # it left the fleet between the hand-out and now
+                    self._slots.release(engine, failed=False, count=False, slots=slots)
+                    continue
                 self._active[rid] = engine
                 engine.rids.add(rid)
                 watch = RequestWatch(self._tracks[id(engine)], rid, num_samples=num_samples,

@@ -62,13 +62,8 @@ class FleetOps:
                 moved.append(rid)
         logger.warning("engine %s left the fleet (%s); %d request(s) re-issued to the %d engine(s) left",
                        url, why, len(moved), len(self._engines))
-        self._spawn(self._close_later(engine))
+        self._removed.append(engine)  # its client stays open for the aborts; closed with the proxy
         return len(moved)
-
-    async def _close_later(self: Any, engine: "EngineState") -> None:
-        """Close the client once its cancelled calls have sent their aborts."""
-        await asyncio.sleep(self.health_check_timeout_s + 1.0)
-        await engine.client.close()
 
     def _evicted_now(self: Any, rid: str, task: "asyncio.Future[Any]") -> bool:
         """Was `rid`'s call cancelled because its engine left (and not because our caller gave up)?"""

@@ -83,6 +83,9 @@ def short_repr(x: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
+KEEPALIVE_S = 3.0  # below uvicorn's timeout_keep_alive (5 s): see EngineTransport._session
+
+
 class EngineTransport:
     """The HTTP side of one engine client: one aiohttp session, opened on first use, closed by `close()`."""
 
@@ -104,9 +107,12 @@ class EngineTransport:
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None or self._http.closed:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            # The proxy bounds concurrency per engine; the connector must not add a second limit.
+            # The proxy bounds concurrency per engine; the connector must not add a second limit. Pooled
+            # connections idle for KEEPALIVE_S are not reused: uvicorn (SGLang's server and ours) closes
+            # them at 5 s idle, and aiohttp's 15 s default reused some just as they closed, so a
+            # /generate sent then failed with ServerDisconnected / connection reset.
             self._http = aiohttp.ClientSession(headers=headers,
-                                               connector=aiohttp.TCPConnector(limit=0))
+                                               connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
         return self._http
 
     async def _call(self, method: str, endpoint: str, *, body: Optional[Mapping[str, Any]] = None,

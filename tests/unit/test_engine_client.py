@@ -343,3 +343,22 @@ def test_bad_arguments_are_value_errors() -> None:
         EngineClient("127.0.0.1:3000")
     with pytest.raises(ValueError, match="weight_update_session"):
         EngineClient("http://h:1", weight_update_session="sometimes")
+
+
+def test_idle_connections_are_dropped_before_the_server_closes_them() -> None:
+    """uvicorn (SGLang's server and the local one) closes a keep-alive connection idle 5 s; a client that
+    reused one at that moment got ServerDisconnected on /generate (seen with rounds of ~5 s)."""
+    import inspect
+
+    import uvicorn
+
+    server_s = inspect.signature(uvicorn.Config).parameters["timeout_keep_alive"].default
+
+    async def keepalive() -> float:
+        client = EngineClient("http://127.0.0.1:9")
+        try:
+            return client._session().connector._keepalive_timeout
+        finally:
+            await client.close()
+
+    assert asyncio.run(keepalive()) <= server_s - 1

@@ -350,11 +350,17 @@ def add_engine_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-device", default="cpu", help="local engine device: cpu, cuda, cuda:N")
     p.add_argument("--engine-dtype", default="", help="local engine dtype (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--engine-decoder", default="static", choices=["static", "cb"], help="local engine decoder")
+    p.add_argument("--decode-step-ms", type=float, default=0.0, metavar="T",
+                   help="local engine --decode-step-ms: every decode step lasts at least T ms for 1 to max_running "
+                        "sequences, as on a GPU (latency injection; 0: off, the CPU's own step cost)")
 
 
-def engine_device_server_args(args: argparse.Namespace) -> dict[str, str]:
+def engine_device_server_args(args: argparse.Namespace) -> dict[str, Any]:
     dtype = args.engine_dtype or ("float32" if args.engine_device == "cpu" else "bfloat16")
-    return {"device": args.engine_device, "dtype": dtype, "decoder": args.engine_decoder}
+    out: dict[str, Any] = {"device": args.engine_device, "dtype": dtype, "decoder": args.engine_decoder}
+    if args.decode_step_ms:  # only when set: the engines of a plain run get the flags they always got
+        out["decode_step_ms"] = args.decode_step_ms
+    return out
 
 
 def engine_capacity_server_args(args: argparse.Namespace, *, max_running: int, request_tokens: int,

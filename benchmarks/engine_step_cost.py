@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=4,
                    help="prompt tokens of the k concurrent requests (the context each decode step attends to)")
     p.add_argument("--no-cuda-graph", action="store_true", help="static decoder on CUDA: eager steps")
+    p.add_argument("--decode-step-ms", type=float, default=0.0,
+                   help="local engine --decode-step-ms (latency injection: the step's floor; 0: off)")
     args = p.parse_args(argv)
     decoders = [d for d in args.decoder.split(",") if d]
     if any(d not in ("static", "cb") for d in decoders):
@@ -162,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     first = results[decoders[0]]
     print(json.dumps({"num_layers": args.num_layers, "hidden_size": args.hidden_size, "vocab_size": args.vocab_size,
                       "preset": args.preset or None, "prompt_len": args.prompt_len, "device": args.device,
+                      "decode_step_ms": args.decode_step_ms,
                       "decoder": decoders[0], **first,
                       "by_decoder": results if len(decoders) > 1 else None,
                       "load_avg_1m": os.getloadavg()[0]}))
@@ -187,6 +190,8 @@ def measure(args: argparse.Namespace, decoder: str, model: str, work: str, ks: l
         server_args.update({"max-running-requests": most, "context-length": longest + 8})
         if args.no_cuda_graph:
             server_args["disable-cuda-graph"] = True
+    if args.decode_step_ms:
+        server_args["decode-step-ms"] = args.decode_step_ms
     launcher = EngineLauncher(backend="local", model_path=model, num_engines=1, base_port=free_ports(1),
                               run_dir=os.path.join(work, decoder), server_args=server_args,
                               env={"OMP_NUM_THREADS": "1"})

@@ -21,6 +21,8 @@ steps are left out; modes interleave over --rounds. Default --max-inflight 8 = o
 with replication off: a decode step of the local engine costs about the same for 1 to ~8 sequences,
 as a GPU's does up to large batches, so a slot held by a finished response wastes about what it
 wastes on a GPU (docs/benchmarks.md has --max-inflight 16 too, where per-request overhead wins).
+--decode-step-ms T (e.g. 20, above the CPU step at --max-inflight) makes every engine step last T ms for
+1 to --max-inflight sequences, as a GPU's does (latency injection; engines/local_server.py).
 
 The last line is a JSON object: seconds per step and engine idle fraction per mode, `speedup` =
 s/step(off) / s/step(on) (paper: 1.84–1.95×). `--chunk K` adds a third mode, replication in requests
@@ -95,7 +97,7 @@ def main() -> int:
 
     result: dict = {"engines": args.engines, "max_inflight_per_engine": args.max_inflight, "prompts": args.prompts,
                     "n": args.n, "alpha": args.alpha, "steps": args.steps, "skip": args.skip, "rounds": args.rounds,
-                    "model": os.path.relpath(model, benchlib.REPO)}
+                    "model": os.path.relpath(model, benchlib.REPO), "decode_step_ms": args.decode_step_ms}
     for mode in modes:
         result[mode] = {k: benchlib.round_mean(results[mode], k) for k in (*keys, "cores_trainer", "cores_engines", "cores_others",
                                                    "engine_cpu_ms_per_token")}

@@ -23,12 +23,14 @@ the product's engines.max_inflight_per_engine is the same); the batch mode queue
 the engine. Default 4: a decode step of the local engine costs about the same for 1 to 4 sequences
 (measured 3.2 ms / 4.0 ms; 7.2 ms for 16, 18 ms for 64), as a GPU's does up to large batches, so a
 slot left empty at a round's tail wastes about what it wastes on a GPU. With many more running
-requests the local engine's cost is per sequence and tails cost little (see docs/benchmarks.md). Workload: the long-tail model of benchmarks/benchlib.py
-(response lengths P(k) ∝ 1/k, 1 ≤ k ≤ --max-len, per response); rewards from a synthetic verifier
-with a per-prompt pass rate drawn from --pass-rates (a data column that reaches the reward as
-`meta`): prompts that always or never pass give all-equal groups, ≈ 45% of groups with the default
-rates. α = --alpha (default 0: as in the batch loop, every group trains the step it was generated
-for).
+requests the local engine's cost is per sequence and tails cost little (see docs/benchmarks.md);
+--decode-step-ms T (e.g. 20, above the CPU step at --max-running) makes every engine step last T ms for
+1 to --max-running sequences, as a GPU's does (latency injection; engines/local_server.py).
+Workload: the long-tail model of benchmarks/benchlib.py (response lengths P(k) ∝ 1/k, 1 ≤ k ≤ --max-len,
+per response); rewards from a synthetic verifier with a per-prompt pass rate drawn from --pass-rates
+(a data column that reaches the reward as `meta`): prompts that always or never pass give all-equal
+groups, ≈ 45% of groups with the default rates. α = --alpha (default 0: as in the batch loop, every
+group trains the step it was generated for).
 
 The last line is a JSON object: seconds per step (steady state, the first --skip steps left out),
 kept samples/s, tokens generated per step, engine idle fraction and engine CPU per token per mode,
@@ -222,7 +224,7 @@ def main() -> int:
     result: dict = {"engines": args.engines, "max_running": args.max_running, "kept_groups_per_step": args.prompts,
                     "n": args.n, "extra_prompts": args.extra_prompts, "alpha": args.alpha, "steps": args.steps,
                     "skip": args.skip, "rounds": args.rounds, "model": os.path.relpath(model, benchlib.REPO),
-                    "pass_rates": args.pass_rates}
+                    "pass_rates": args.pass_rates, "decode_step_ms": args.decode_step_ms}
     cores = ("cores_trainer", "cores_engines", "cores_others")
     for mode in modes:
         keys = (("rounds", "groups_generated") if mode == "batch" else

@@ -38,7 +38,7 @@ from megatron_flash.engines.cuda_handles import device_uuid
 from megatron_flash.engines.routed_experts import RouteRecorder, encoded_routes
 from megatron_flash.engines.shared_weights import SharedBufferMaps
 from megatron_flash.engines.sampling import SamplingSpec
-from megatron_flash.engines.step_profile import StepProfile
+from megatron_flash.engines.step_profile import StepFloor, StepProfile
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class LocalEngine(EngineUpdates, EngineAdapters, DecodingHooks):
                  max_batch_tokens: int | None = None, max_running_requests: int | None = None,
                  context_length: int | None = None, max_prefill_tokens: int | None = None,
                  cuda_graphs: bool = True, seed: int | None = None, device: str = "cpu",
-                 dtype: str = "float32", enable_lora: bool = False) -> None:
+                 dtype: str = "float32", enable_lora: bool = False, decode_step_ms: float = 0.0) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         if not os.path.isfile(os.path.join(model_path, "config.json")):
@@ -142,6 +142,9 @@ class LocalEngine(EngineUpdates, EngineAdapters, DecodingHooks):
                             ("--max-prefill-tokens", max_prefill_tokens), ("--max-batch-tokens", max_batch_tokens)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
+        if not 0 <= decode_step_ms < float("inf"):  # NaN too
+            raise ValueError(f"--decode-step-ms must be a finite number of milliseconds >= 0, got {decode_step_ms}")
+        self.decode_step_ms = float(decode_step_ms)  # a floor on the decode step's cost (step_profile.StepFloor)
         max_positions = getattr(self.hf_config.get_text_config(), "max_position_embeddings", None) or 1 << 30
         self.decoder = decoder
         if decoder == "static":
@@ -180,6 +183,7 @@ class LocalEngine(EngineUpdates, EngineAdapters, DecodingHooks):
         self._weight_meta: dict[str, tuple[torch.Size, torch.dtype]] = {}
 
         self.step_profile = StepProfile()
+        self.step_floor = StepFloor(self.decode_step_ms, self.step_profile)
         self.route_recorder = RouteRecorder(self.model, self._routes_of)
         def new_decoder() -> Any:  # the KV cache lives in the decoder: made again on resume
             if decoder == "static":

@@ -120,6 +120,7 @@ class CBDecoder:
         processors = _Processors(LogitsProcessorList([_make_sampler_processor(engine)]))
         processors.tensors_required = 1  # one int32 row of per-request arguments (unused; rows come from prepare)
         self.manager.logit_processor = processors
+        engine.step_floor.install(self.manager)  # --decode-step-ms (inside the profile's timing: step_s holds it)
         engine.step_profile.install(self.manager)
 
     def start(self) -> None:
@@ -167,7 +168,7 @@ class DecodingHooks:
     # ------------------------------------------------------------------ CB thread: sampling
     @torch.no_grad()
     def _sample_step(self, cb_ids: list[str], scores: torch.Tensor) -> torch.Tensor:
-        started = time.perf_counter()
+        started, slept = time.perf_counter(), 0.0
         try:
             with self._lock:
                 reqs = [self._by_cb_id.get(cb_id) for cb_id in cb_ids]
@@ -176,11 +177,12 @@ class DecodingHooks:
                       for r in reqs]
             tokens, logprobs = sample_rows(scores, specs, [None if r is None else r.generator for r in reqs], banned)
             picked = logprobs.gather(1, tokens.view(-1, 1))[:, 0].tolist()  # one device→host copy per step
+            slept = self.step_floor.pad_step()  # --decode-step-ms: tokens leave T after the step began
             self._record(cb_ids, tokens.tolist(), picked)
             # In place: CB reads these logits only through what this processor returns.
             return scores.fill_(float("-inf")).scatter_(1, tokens.view(-1, 1), 0.0)
         finally:
-            self.step_profile.add_sampler(time.perf_counter() - started)
+            self.step_profile.add_sampler(time.perf_counter() - started - slept)
 
     def _record(self, cb_ids: list[str], token_ids: list[int], logprobs: list[float]) -> None:
         """Append one token per request (cb_ids no longer live are skipped) and decide finishes; a finished

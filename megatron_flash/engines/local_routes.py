@@ -79,6 +79,7 @@ async def server_info(request: Request) -> dict:
     return {"model_path": engine.model_path, "context_length": engine.capacity,
             "max_total_num_tokens": engine._kv_capacity, "page_size": engine.page_size,
             "max_batch_tokens": engine.max_batch_tokens, "decoder": engine.decoder,
+            "decode_step_ms": engine.decode_step_ms,  # --decode-step-ms: latency injection, 0 = off
             "max_running_requests": engine._kv_capacity // engine.page_size if engine.decoder == "static" else None, "weight_version": engine.weight_version,
             "version": "megatron-flash-cpu", "internal_states": [],
             "memory_released": sorted(engine._released), "memory_releases": engine.num_releases,

@@ -9,6 +9,14 @@ one client drives both. The routes (local_routes.py) are thin: parse, call the e
 response; /generate's parsing and replies are generate_request.py; this module builds the app, guards
 it and runs it.
 
+--decode-step-ms T (default 0: off) is a documented latency-injection option for benchmarks and the
+cluster tests, not for production: every decode step lasts at least T ms whatever the number of running
+sequences (1 … max_running), as a GPU's decode step costs about the same for all of them (on a CPU it
+grows with them). After the step's real work the decoder thread sleeps the remainder, holding no lock,
+then publishes the step's tokens; a pass that prefills new requests and decodes the running ones counts
+as one step (engines/step_profile.py, StepFloor). /get_server_info reports it as `decode_step_ms`; the
+slept seconds are `step_profile.floor_s`.
+
 Security: with --api-key every endpoint but /health* and /ready needs `Authorization: Bearer KEY`
 (401 otherwise, as SGLang). /update_weights_from_tensor unpickles its payload like SGLang does, through an
 allowlist unpickler (tensors, torch shared-memory storages, containers; no code) — still, only expose it to
@@ -88,6 +96,17 @@ class Authorize:
         await self.inner(scope, receive, send)
 
 
+def step_ms(text: str) -> float:
+    """argparse type of --decode-step-ms: a finite number of milliseconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds (a number >= 0), got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of milliseconds >= 0, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", required=True, help="Hugging Face model directory (config.json, weights)")
@@ -118,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--enable-lora", action="store_true",
                         help="serve LoRA adapters (SGLang's /load_lora_adapter API; one at a time, merged: "
                              "engines/local_lora.py)")
+    parser.add_argument("--decode-step-ms", type=step_ms, default=0.0, metavar="T",
+                        help="latency injection for benchmarks and cluster tests, not production: every decode "
+                             "step lasts at least T ms for 1 to max_running sequences, as on a GPU (0: off)")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -143,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                              page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
                              max_running_requests=args.max_running_requests, context_length=args.context_length,
                              max_prefill_tokens=args.max_prefill_tokens, cuda_graphs=not args.disable_cuda_graph,
-                             seed=args.seed, device=args.device, dtype=args.dtype, enable_lora=args.enable_lora)
+                             seed=args.seed, device=args.device, dtype=args.dtype, enable_lora=args.enable_lora,
+                             decode_step_ms=args.decode_step_ms)
     except Exception as error:
         print(f"error: cannot load model from {args.model_path!r}: {error}", file=sys.stderr)
         return 2

@@ -104,6 +104,7 @@ class StaticDecoder:
         self._parked = False
         self._stopping = False
         self._timing = [0, 0.0, 0.0, 0]
+        self._pass_started = 0.0
         self._thread = threading.Thread(target=self._run, name="static-decoder", daemon=True)
 
     # ------------------------------------------------------------------ protocol used by the engine
@@ -166,7 +167,7 @@ class StaticDecoder:
                 self._parked = False
                 if self._stopping:
                     return
-            started = time.perf_counter()
+            started = self._pass_started = time.perf_counter()
             self._timing = [0, 0.0, 0.0, 0]  # this pass's steps, step seconds, sampler seconds, graphed steps
             try:
                 self._free_left()
@@ -346,6 +347,9 @@ class StaticDecoder:
         else:
             self._step(rows, length, truncate, bans)
         out = self.state.out[:rows].tolist()  # the one host read of the step
+        # --decode-step-ms: the pass (a prefill before this decode included: one step) delivers its tokens
+        # at least T after it began; sleeps holding no lock (step_profile.StepFloor)
+        self.engine.step_floor.pad(self._pass_started)
         self._timing[0] += 1
         self._timing[1] += time.perf_counter() - started
         self._timing[3] += graph is not None

@@ -14,6 +14,18 @@ counted. The hooks wrap two methods of transformers' manager (private API, check
 transformers without them serves as before, with `step_profile.installed` false). A pass's step,
 sampler and loop times become visible together when the pass ends, so a snapshot never shows a step
 without its pass (a reply leaves from inside the last step, before its pass is over).
+
+`StepFloor` is the local engine's --decode-step-ms T (a latency-injection option for benchmarks and the
+cluster tests, not for production): every decode step lasts at least T ms, whatever the number of
+running sequences (1 … max_running), as a GPU's decode step costs about the same for all of them. After
+the step's real work the decoder thread sleeps the remainder before it publishes the step's tokens (so
+a token, and a finish, leave T after the step began, as they would from a GPU step), holding no lock:
+admission, HTTP handlers and pause requests go on meanwhile (a pause is taken after the step). Prefill:
+the static decoder runs one pass = a prefill of newly admitted requests (if any) then the decode of
+every running one, and the floor is on the pass, so prefill + decode is one step (a GPU prefill of a
+short prompt costs about one step too); the prefill's first tokens leave before the pass's floor. On
+`--decoder cb` a CB step (chunked prefill and decode mixed) is one step. The slept seconds are `floor_s`
+in the snapshot; `step_s` and `loop_s` include them (the step's cost as served), `sampler_s` does not.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ class StepProfile:
         self.loop_s = 0.0  # whole passes that ran a step
         self.step_s = 0.0  # _generation_step
         self.sampler_s = 0.0  # our logits processor, inside the step
+        self.floor_s = 0.0  # slept to reach --decode-step-ms (StepFloor); inside step_s and loop_s
         self._pending = [0, 0.0, 0.0]  # this pass's steps, step seconds, sampler seconds (not yet visible)
 
     def install(self, manager: Any) -> None:
@@ -84,11 +97,15 @@ class StepProfile:
             else:
                 self.sampler_s += seconds
 
+    def add_floor(self, seconds: float) -> None:
+        with self._lock:
+            self.floor_s += seconds
+
     def snapshot(self) -> dict:
         with self._lock:
             return {"installed": self.installed, "steps": self.steps, "graphed_steps": self.graphed_steps, "loop_s": round(self.loop_s, 6),
                     "step_s": round(self.step_s, 6), "sampler_s": round(self.sampler_s, 6),
-                    "host_s": round(self.loop_s - self.step_s, 6)}
+                    "host_s": round(self.loop_s - self.step_s, 6), "floor_s": round(self.floor_s, 6)}
 
 
 def per_step(before: dict, after: dict) -> dict:
@@ -100,3 +117,49 @@ def per_step(before: dict, after: dict) -> dict:
     for key in ("loop_s", "step_s", "sampler_s", "host_s"):
         out[key] = (after[key] - before[key]) / steps
     return out
+
+
+class StepFloor:
+    """--decode-step-ms (module docstring). The static decoder calls `pad(pass start)` before it publishes
+    a decode step's tokens; on CB, `install` marks each `_generation_step`'s start and our sampler calls
+    `pad_step()` before it records the step's tokens (the step pads itself at its end if no sampling ran)."""
+
+    def __init__(self, ms: float, profile: StepProfile) -> None:
+        self.seconds, self.profile = ms / 1e3, profile
+        self._step_started: float | None = None  # CB: start of the running _generation_step
+
+    def pad(self, started: float) -> float:
+        """Sleep until `started` + T (perf_counter seconds); the caller holds no lock. Returns the seconds slept."""
+        remaining = started + self.seconds - time.perf_counter()
+        if remaining <= 0:
+            return 0.0
+        time.sleep(remaining)
+        self.profile.add_floor(remaining)
+        return remaining
+
+    def pad_step(self) -> float:
+        """CB: `pad` from the start of the running step (nothing outside one, or with the floor off)."""
+        return 0.0 if self._step_started is None else self.pad(self._step_started)
+
+    def install(self, manager: Any) -> None:
+        """Wrap transformers' CB manager's `_generation_step` (before StepProfile.install: its step_s then holds
+        the floor). Scheduling before the step, and a pause window there, are not part of it."""
+        if self.seconds <= 0:
+            return
+        step = getattr(manager, "_generation_step", None)
+        if not callable(step):
+            raise ValueError("--decode-step-ms: this transformers' continuous batching has no _generation_step "
+                             "to floor (use --decoder static)")
+        if getattr(step, "step_floor", None) is self:  # a cached manager, reused after a resume
+            return
+
+        def floored_step(*args: Any, **kwargs: Any) -> Any:
+            started = self._step_started = time.perf_counter()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self._step_started = None
+                self.pad(started)  # a no-op when the sampler already waited
+
+        floored_step.step_floor = self  # type: ignore[attr-defined]
+        manager._generation_step = floored_step

@@ -32,7 +32,8 @@ class Bridge:
         self.urls, self.failed, self.readmitted, self.syncs = [URL], {}, [], 0
         self.synced_to: list[Any] = []
 
-    def sync(self, version: int, *, only: Any = None) -> SyncReport:
+    def sync(self, version: int, *, only: Any = None, trial: Any = ()) -> SyncReport:
+        assert not trial  # no engine joins here (engines.join_port off)
         self.syncs += 1
         self.synced_to.append((version, only))
         if self.syncs <= self.failures:
@@ -61,7 +62,8 @@ class Runtime:
         self.waits += 1
         return ([URL], [3.5]) if self.comes_back else ([], [])
 
-    def note_sync(self, version: int, failed: dict) -> None:
+    def note_sync(self, version: int, failed: dict, joined: tuple = ()) -> None:
+        assert not joined  # no engine joins here (engines.join_port off)
         self.noted.append((version, failed))
 
 

@@ -190,7 +190,11 @@ def test_rollout_workers_start_engines_and_a_worker_per_node_for_the_training_jo
     launch/fleet_worker.py naming them and the training job's address file; the key stays a variable."""
     import shlex
 
-    r = _render("rollout_workers", "spot[1-2]", TRAIN_JOB="77")
+    def workers(nodelist: str, overrides: tuple = (), **env: str) -> "render.Rendering":
+        return render.render(SLURM / "rollout_workers.sbatch", nodelist=nodelist, gpus_per_node=8, job_id="4243",
+                             env={"MODEL_PATH": MODEL, "SGLANG_API_KEY": SECRET, **env}, overrides=overrides)
+
+    r = workers("spot[1-2]", TRAIN_JOB="77")
     sglang = EngineCommand.sglang(python="python")
     for host in ("spot1", "spot2"):
         engines = [n for n in r.role("engine") if n.host == host]
@@ -205,12 +209,18 @@ def test_rollout_workers_start_engines_and_a_worker_per_node_for_the_training_jo
         assert script.count("engine_loop.sh") == 4 and worker.text in script
         assert script.index("trap stop TERM USR1 INT") < script.index("engine_loop.sh")  # before anything starts
         assert SECRET not in step
-    by_file = _render("rollout_workers", "spot1", FLEET_ADDRESS="/shared/run/fleet.json", ENGINE_TP="8")
+    by_file = workers("spot1", FLEET_ADDRESS="/shared/run/fleet.json", ENGINE_TP="8")
     assert by_file.role("worker")[0].argv[3] == "/shared/run/fleet.json" and len(by_file.role("engine")) == 1
     with pytest.raises(render.RenderError, match="set TRAIN_JOB"):
-        _render("rollout_workers", "spot1")
+        workers("spot1")
     with pytest.raises(render.RenderError, match="TRAIN_JOB must be a Slurm job id"):
-        _render("rollout_workers", "spot1", TRAIN_JOB="../x")
+        workers("spot1", TRAIN_JOB="../x")
+    with pytest.raises(render.RenderError, match="set CONFIG, or pass none"):  # overrides would do nothing
+        workers("spot1", (USER_OVERRIDE,), TRAIN_JOB="77")
+    with_config = workers("spot1", (USER_OVERRIDE,), TRAIN_JOB="77", CONFIG="configs/quickstart_cpu.yaml",
+                          ENGINE_BACKEND="local", ENGINE_TP="1", GPUS_PER_NODE="1")
+    assert with_config.role("engine")[0].argv[:4] == ["python", "-m", "megatron_flash.engines.local_server",
+                                                      "--model-path"]
 
 
 def test_engine_loop_restarts_a_server_up_to_max_then_gives_up(tmp_path: Path) -> None:

@@ -233,12 +233,12 @@ def _main() -> int:
         if args.scenario == "probe_kill":  # A dies after its sync, before the probe reaches it
             probe = bridge.probe
 
-            def kill_then_probe(targets: list) -> tuple:
+            def kill_then_probe(targets: list, trial: tuple = ()) -> tuple:
                 if rank0 and not faulted:
                     faulted.append("probe")
                     os.kill(pids[0], signal.SIGKILL)
                     wait_refused(a)
-                return probe(targets)
+                return probe(targets, trial)
             bridge.probe = kill_then_probe
         t0 = time.monotonic()
         out["first"] = run_sync(1)

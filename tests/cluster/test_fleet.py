@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import re
 import statistics
-import time
 
 from tests.cluster.jobs import Job, assert_accounted, assert_ledger_exact, in_host, slurm, step_table
 from tests.cluster.test_lost_hosts import wait_until
@@ -84,7 +83,6 @@ def test_workers_join_leave_and_are_lost_without_losing_a_sample(cluster, warm_m
         assert after > before, (before, after, step_table(baseline + grown))
 
         # --- (c) mf-node4's link is cut: lost after its failed probes, the run goes on
-        at_cut = len(job.metrics())
         assert in_host("mf-node4", "ip", "link", "set", "eth0", "down").returncode == 0
         try:
             lost = wait_until("the run lost mf-node4", lambda: "mf-node4:30000 out of the fleet (lost" in trainer_log(job),

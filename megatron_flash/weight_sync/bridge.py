@@ -126,13 +126,7 @@ class WeightBridge:
     def readmit(self, urls: Sequence[str]) -> None:
         """Put engines (restarted by the launcher) back among the targets of the next sync, which
         sends them every weight. Every rank must call it with the same list."""
-        urls = [u.rstrip("/") for u in urls]
-        self.transport.forget(urls)
-        self.delta.forget(urls)
-        if self.memory is not None:
-            self.memory.forget(urls)
-        for url in urls:
-            self.failed.pop(url, None)
+        for url in self._forget(urls):
             if url not in self.urls:
                 self.urls.append(url)
 
@@ -149,6 +143,13 @@ class WeightBridge:
     def remove(self, urls: Sequence[str]) -> None:
         """Engines that left the fleet: no push goes to them again (nothing of them is kept). Every rank,
         the same list."""
+        for url in self._forget(urls):
+            if url in self.urls:
+                self.urls.remove(url)
+
+    def _forget(self, urls: Sequence[str]) -> list[str]:
+        """Drop what the transport, the delta plan and the memory hand-off keep of `urls`, and their
+        failures; the URLs, normalised."""
         urls = [u.rstrip("/") for u in urls]
         self.transport.forget(urls)
         self.delta.forget(urls)
@@ -156,8 +157,7 @@ class WeightBridge:
             self.memory.forget(urls)
         for url in urls:
             self.failed.pop(url, None)
-            if url in self.urls:
-                self.urls.remove(url)
+        return urls
 
     def sync(self, version: int, *, only: Optional[Sequence[str]] = None, trial: Sequence[str] = ()) -> SyncReport:
         """Push the current weights as `version` to every engine in service (`only`: to those of them).

@@ -162,6 +162,8 @@ def test_a_joining_engine_takes_waiting_requests_and_min_engines_holds_the_queue
      "rollout.runner=thread"),
     (["engines.min_engines=2"], "engines.min_engines must be <= engines.num_engines=1"),
     (["engines.join_port=70000"], "engines.join_port must be a port"),
+    (["engines.join_host=node"], "engines.join_host is only used with engines.join_port > 0"),
+    (["engines.join_address_file=/x/fleet.json"], "engines.join_address_file is only used"),
 ])
 def test_fleet_settings_that_cannot_work_are_refused_by_name(overrides, match) -> None:
     from megatron_flash.config.loader import load_config

@@ -100,6 +100,9 @@ class EngineConfig(_Section):
         self._require(self.min_engines <= self.num_engines, "min_engines",
                       f"must be <= engines.num_engines={self.num_engines}: the run starts with the engines it has")
         self._require(0 <= self.join_port <= 65535, "join_port", "must be a port in 1..65535, or 0 (no joins)")
+        if not self.join_port:  # no registration endpoint: its settings would do nothing
+            self._require(self.join_host == "127.0.0.1", "join_host", "is only used with engines.join_port > 0")
+            self._require(not self.join_address_file, "join_address_file", "is only used with engines.join_port > 0")
         if self.join_port:
             self._require(bool(self.api_key), "join_port", "needs engines.api_key: registration is authenticated "
                           "with the run's key, and the engines that join must require it too")
